@@ -1,0 +1,360 @@
+"""SGLang attention backend `dflash_cpu`: batched SDPA over the paged KV pool.
+
+SGLang's `torch_native` backend loops over requests in Python and has no TARGET_VERIFY
+path, and `intel_amx` needs the sgl-kernel CPU build. This backend pads the whole batch
+once per forward (slot table, query rows, masks) and runs every layer as one
+`scaled_dot_product_attention` call, for the target model (extend, decode, causal
+verify) and the DFlash draft (non-causal verify block, `AttentionType.ENCODER_ONLY`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.arg_groups import choices
+from sglang.srt.layers.attention.attention_registry import register_attention_backend
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+BACKEND_NAME = "dflash_cpu"
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A batch's padded geometry, built once per forward and shared by every layer.
+
+    Keys live in a `[bs, kv_max]` grid, queries in a `[bs, q_rows]` grid. Masks are None
+    when they would mask nothing, so SDPA can take its unmasked path.
+    """
+
+    batch_size: int
+    q_rows: int
+    kv_max: int
+    # [bs, kv_max] pool slot of every key; padding points at the request's first key.
+    kv_slots: torch.Tensor
+    # Packed token -> row of the flattened query grid; None when that is the identity.
+    token_rows: torch.Tensor | None
+    # Query row r of every request sits at key position r (`q_rows == kv_max`), so SDPA's
+    # own `is_causal` is exact and its kernel skips the masked half of the scores.
+    position_aligned: bool
+    # [bs, 1, q_rows, kv_max] for causal layers; None when position-aligned.
+    causal_mask: torch.Tensor | None
+    # [bs, 1, 1, kv_max]: every query sees all of its request's keys (ENCODER_ONLY).
+    full_mask: torch.Tensor | None
+
+
+def kv_slot_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_max: int,
+) -> torch.Tensor:
+    """Pool slots of every request's keys as one `[bs, kv_max]` int64 table.
+
+    Columns past a request's length hold stale or zero slots; they are redirected to
+    the request's own first key so the gathered padding is real, finite KV (masked
+    scores are added to -inf, and NaN + -inf would still be NaN).
+    """
+    slots = req_to_token[req_pool_indices, :kv_max].long()
+    valid = torch.arange(kv_max, device=slots.device) < kv_lens.unsqueeze(1)
+    return torch.where(valid, slots, slots[:, :1])
+
+
+def attention_mask(
+    q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_max: int,
+    kv_max: int,
+    causal: bool,
+) -> torch.Tensor:
+    """Boolean SDPA mask (True = attend) for queries appended at the end of each request.
+
+    Query j of request i sits at position `kv_lens[i] - q_lens[i] + j`. Causal queries see
+    keys up to that position; non-causal ones all `kv_lens[i]` keys (shape
+    `[bs, 1, 1, kv_max]`, broadcast over queries). Padded query rows (j >= q_lens[i]) land
+    at or past the last key, so they see every key and never produce a NaN row.
+    """
+    key_pos = torch.arange(kv_max, device=kv_lens.device)
+    in_range = key_pos < kv_lens[:, None, None]
+    if not causal:
+        return in_range.unsqueeze(1)
+    query_pos = (kv_lens - q_lens)[:, None, None] + torch.arange(q_max, device=kv_lens.device)[
+        None, :, None
+    ]
+    return (in_range & (key_pos <= query_pos)).unsqueeze(1)
+
+
+def packed_token_rows(
+    q_lens: torch.Tensor, first_rows: torch.Tensor, q_rows: int, num_tokens: int
+) -> torch.Tensor:
+    """Row of the flattened `[bs * q_rows]` query grid each packed token goes to.
+
+    Request i's queries fill rows `first_rows[i]` onward of its own block of `q_rows`.
+    """
+    request = torch.repeat_interleave(
+        torch.arange(q_lens.shape[0], device=q_lens.device), q_lens, output_size=num_tokens
+    )
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    offset = torch.arange(num_tokens, device=q_lens.device) - starts[request]
+    return request * q_rows + first_rows[request] + offset
+
+
+def build_padded_batch(
+    q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+) -> PaddedBatch:
+    """Everything the layers share for one forward; maxima are read once here.
+
+    Two query grids: `q_max` rows with an explicit causal mask (cost ~ q_max * kv_max,
+    right for decode and verify), or `kv_max` rows placing each query at its own position
+    so the kernel's built-in causal skipping applies (cost ~ kv_max**2 / 2, right for
+    prefill). The lengths are host tensors on CPU: the `int(...)` reads cost no sync.
+    """
+    q_lens, kv_lens = q_lens.long(), kv_lens.long()
+    batch_size = q_lens.shape[0]
+    q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
+    num_tokens = int(q_lens.sum())
+    position_aligned = 2 * q_max > kv_max
+    if position_aligned:
+        q_rows, first_rows, causal_mask = kv_max, kv_lens - q_lens, None
+    else:
+        q_rows, first_rows = q_max, torch.zeros_like(q_lens)
+        causal_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=True)
+        causal_mask = None if bool(causal_mask.all()) else causal_mask
+    full_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=False)
+    identity_rows = num_tokens == batch_size * q_rows
+    return PaddedBatch(
+        batch_size=batch_size,
+        q_rows=q_rows,
+        kv_max=kv_max,
+        kv_slots=kv_slot_table(req_to_token, req_pool_indices, kv_lens, kv_max),
+        token_rows=(
+            None if identity_rows else packed_token_rows(q_lens, first_rows, q_rows, num_tokens)
+        ),
+        position_aligned=position_aligned,
+        causal_mask=causal_mask,
+        full_mask=None if bool(full_mask.all()) else full_mask,
+    )
+
+
+def batch_lengths(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request (query count, key count including the queries) for a forward mode.
+
+    TARGET_VERIFY batches carry no extend_* fields: `seq_lens` is the committed prefix and
+    each request appends `spec_info.draft_token_num` tokens after it. `seq_lens_cpu` is
+    not used: DFlash workers widen it to prefix + block in verify, plain prefix elsewhere.
+    """
+    mode = forward_batch.forward_mode
+    seq_lens = forward_batch.seq_lens
+    if mode.is_decode():
+        return torch.ones_like(seq_lens), seq_lens
+    if mode.is_target_verify():
+        spec_info = forward_batch.spec_info
+        if getattr(spec_info, "custom_mask", None) is not None:
+            raise NotImplementedError(f"{BACKEND_NAME}: tree verify (spec_info.custom_mask)")
+        if getattr(spec_info, "ragged_verify_layout", None) is not None:
+            raise NotImplementedError(f"{BACKEND_NAME}: ragged verify layouts")
+        width = spec_info.draft_token_num
+        return torch.full_like(seq_lens, width), seq_lens + width
+    if forward_batch.extend_seq_lens is None:
+        raise NotImplementedError(f"{BACKEND_NAME}: forward mode {mode.name}")
+    return forward_batch.extend_seq_lens, seq_lens
+
+
+def check_layer_supported(layer: RadixAttention, forward_batch: ForwardBatch, extra: dict) -> None:
+    """Refuse features our models never use instead of computing them wrong."""
+    unsupported = [name for name, value in extra.items() if value is not None]
+    if layer.is_cross_attention:
+        unsupported.append("cross-attention")
+    if forward_batch.encoder_lens is not None:
+        unsupported.append("encoder-decoder models")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        unsupported.append("sliding-window attention")
+    if layer.logit_cap > 0 and layer.logit_capping_method != "tanh":
+        unsupported.append(f"logit capping method {layer.logit_capping_method!r}")
+    if unsupported:
+        raise NotImplementedError(f"{BACKEND_NAME} does not support: {', '.join(unsupported)}")
+
+
+def soft_capped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """SDPA with `cap * tanh(score / cap)` logits, which SDPA itself cannot apply."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = cap * torch.tanh(scores / cap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
+
+
+class DFlashCPUAttnBackend(AttentionBackend):
+    """Batched SDPA attention over SGLang's paged KV pool, for CPU serving."""
+
+    def __init__(self, model_runner: ModelRunner):
+        super().__init__()
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.forward_metadata: PaddedBatch | None = None
+        self._check_pool_supported()
+
+    def _check_pool_supported(self) -> None:
+        pool = self.token_to_kv_pool
+        if isinstance(pool, SWAKVPool):
+            raise NotImplementedError(f"{BACKEND_NAME}: sliding-window KV pools")
+        if getattr(pool, "use_hnd", False):
+            raise NotImplementedError(f"{BACKEND_NAME}: HND KV cache layout")
+        if pool.dtype.itemsize == 1:
+            raise NotImplementedError(f"{BACKEND_NAME}: {pool.dtype} KV cache")
+
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
+        """Build the padded batch once; all layers of this forward reuse it.
+
+        The base `init_forward_metadata` calls this, as do the graph runners' eager paths.
+        """
+        if forward_batch.forward_mode.is_idle() or forward_batch.batch_size == 0:
+            self.forward_metadata = None
+            return
+        q_lens, kv_lens = batch_lengths(forward_batch)
+        self.forward_metadata = build_padded_batch(
+            q_lens,
+            kv_lens,
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+        )
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def support_triton(self) -> bool:
+        return False
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+        extra: dict,
+    ) -> torch.Tensor:
+        check_layer_supported(layer, forward_batch, extra)
+        heads, head_dim, v_head_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        if q.shape[0] == 0:
+            return q.new_empty((0, heads * v_head_dim))
+        # As in SGLang's backends: k is None when another layer already wrote this KV.
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        batch = self.forward_metadata
+        if batch is None:
+            raise RuntimeError(f"{BACKEND_NAME}: init_forward_metadata was not called")
+
+        query = self._padded_queries(q.reshape(-1, heads, head_dim), batch)
+        key = self._gathered(self.token_to_kv_pool.get_key_buffer(layer.layer_id), batch, q.dtype)
+        value = self._gathered(
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id), batch, q.dtype
+        )
+        out = self._attend(query, key, value, layer, batch)
+        out = out.transpose(1, 2).reshape(batch.batch_size * batch.q_rows, heads * v_head_dim)
+        return out if batch.token_rows is None else out.index_select(0, batch.token_rows)
+
+    @staticmethod
+    def _attend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: RadixAttention,
+        batch: PaddedBatch,
+    ) -> torch.Tensor:
+        """One attention call for the whole padded batch: `[bs, heads, q_rows, v_dim]`."""
+        causal = layer.attn_type != AttentionType.ENCODER_ONLY
+        mask = batch.causal_mask if causal else batch.full_mask
+        is_causal = causal and batch.position_aligned
+        if layer.logit_cap > 0:
+            return soft_capped_attention(
+                query, key, value, mask, is_causal, layer.scaling, layer.logit_cap
+            )
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+
+    @staticmethod
+    def _padded_queries(q: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        """Packed `[tokens, heads, dim]` queries as `[bs, heads, q_rows, dim]`."""
+        if batch.token_rows is not None:
+            grid = q.new_zeros((batch.batch_size * batch.q_rows, *q.shape[1:]))
+            q = grid.index_copy_(0, batch.token_rows, q)
+        return q.view(batch.batch_size, batch.q_rows, *q.shape[1:]).transpose(1, 2)
+
+    @staticmethod
+    def _gathered(buffer: torch.Tensor, batch: PaddedBatch, dtype: torch.dtype) -> torch.Tensor:
+        """One layer's keys or values for the whole batch as `[bs, kv_heads, kv_max, dim]`."""
+        rows = buffer.index_select(0, batch.kv_slots.view(-1))
+        rows = rows.view(batch.batch_size, batch.kv_max, *buffer.shape[1:]).transpose(1, 2)
+        return rows.to(dtype)
+
+
+def create_backend(model_runner: ModelRunner) -> DFlashCPUAttnBackend:
+    """Factory SGLang's registry calls for both the target and the draft model runner."""
+    return DFlashCPUAttnBackend(model_runner)
+
+
+def register() -> None:
+    """Make `--attention-backend dflash_cpu` (and the draft flag) valid; idempotent."""
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        choices.add_draft_attention_backend_choices([BACKEND_NAME])

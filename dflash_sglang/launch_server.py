@@ -1,0 +1,187 @@
+"""`python -m dflash_sglang.launch_server`: SGLang's server with DFLASH_X and our defaults.
+
+Every SGLang server argument passes through unchanged. Added defaults (each only when the
+flag is absent): `--speculative-algorithm DFLASH_X` (when a draft is given), `--enable-metrics`,
+`--host 127.0.0.1`, `--device` from the machine, and the platform's attention backend.
+Without `--model-path` it serves the embedded default target. Draft/target mismatches fail
+here, before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dflash_sglang import ALGORITHM
+
+logger = logging.getLogger("dflash_sglang.launch_server")
+
+NO_SPECULATION = "NONE"
+GPU_ATTENTION_BACKEND = "flashinfer"
+
+
+class LaunchError(SystemExit):
+    """A bad launch: printed as `error: ...` with exit status 2, like argparse."""
+
+    def __init__(self, message: str) -> None:
+        print(f"dflash_sglang.launch_server: error: {message}", file=sys.stderr)
+        super().__init__(2)
+
+
+def our_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_sglang.launch_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    group = parser.add_argument_group("dflash_sglang options")
+    group.add_argument("-h", "--help", action="store_true", help="show this help and SGLang's")
+    group.add_argument(
+        "--dflash-cache-dir",
+        default=None,
+        help="where the embedded default model is converted and cached "
+        "(default: $DFLASH_SGLANG_CACHE or ~/.cache/dflash_sglang)",
+    )
+    return parser
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """Value of `--flag v` or `--flag=v` in an argument list (last one wins, as argparse)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def has_flag(args: Sequence[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def without_flag(args: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def detect_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_args(
+    args: list[str], device: str, default_target: str | None, default_draft: str | None
+) -> list[str]:
+    """SGLang arguments with our defaults applied; pure so it can be tested without a server."""
+    args = list(args)
+    if not has_flag(args, "--device"):
+        args += ["--device", device]
+    if not has_flag(args, "--model-path", "--model"):
+        if default_target is None:
+            raise LaunchError("no --model-path given and no embedded default model available")
+        args += ["--model-path", default_target]
+        if not has_flag(args, "--speculative-draft-model-path", "--speculative-draft-model"):
+            if default_draft is not None:
+                args += ["--speculative-draft-model-path", default_draft]
+    algorithm = (flag_value(args, "--speculative-algorithm") or "").upper()
+    has_draft = has_flag(args, "--speculative-draft-model-path", "--speculative-draft-model")
+    if algorithm == NO_SPECULATION:
+        args = without_flag(args, "--speculative-algorithm")
+        args = without_flag(args, "--speculative-draft-model-path")
+        args = without_flag(args, "--speculative-draft-model")
+    elif not algorithm and has_draft:
+        args += ["--speculative-algorithm", ALGORITHM]
+    if not has_flag(args, "--enable-metrics"):
+        args.append("--enable-metrics")
+    if not has_flag(args, "--host"):
+        args += ["--host", "127.0.0.1"]
+    if not has_flag(args, "--attention-backend"):
+        on_cpu = flag_value(args, "--device").startswith("cpu")
+        from dflash_sglang.spec import CPU_ATTENTION_BACKEND
+
+        args += ["--attention-backend", CPU_ATTENTION_BACKEND if on_cpu else GPU_ATTENTION_BACKEND]
+    return args
+
+
+def check_models(args: Sequence[str]) -> None:
+    """Fail fast on a draft that cannot serve with its target."""
+    from dflash_sglang.checkpoint import CheckpointError, check_pair, read_config
+
+    target = flag_value(args, "--model-path") or flag_value(args, "--model")
+    try:
+        read_config(target, "target")
+        draft = flag_value(args, "--speculative-draft-model-path") or flag_value(
+            args, "--speculative-draft-model"
+        )
+        if (flag_value(args, "--speculative-algorithm") or "").upper() == ALGORITHM:
+            if draft is None:
+                raise CheckpointError(f"{ALGORITHM} needs --speculative-draft-model-path")
+            check_pair(target, draft)
+    except CheckpointError as e:
+        raise LaunchError(str(e)) from e
+
+
+def print_help() -> None:
+    our_parser().print_help()
+    print("\nSGLang server arguments (all accepted unchanged):\n")
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    parser.print_help()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ours, sglang_args = our_parser().parse_known_args(argv)
+    device = flag_value(sglang_args, "--device") or detect_device()
+    if device.startswith("cpu"):
+        from dflash_sglang import cpu_platform
+
+        os.environ.update(cpu_platform.child_environment(dict(os.environ)))
+        cpu_platform.install_sgl_kernel_shim()
+    if ours.help:
+        print_help()
+        return
+
+    default_target = default_draft = None
+    if not has_flag(sglang_args, "--model-path", "--model"):
+        from dflash_sglang import default_model
+        from dflash_sglang.drafters import default_draft_dir
+
+        cache = Path(ours.dflash_cache_dir) if ours.dflash_cache_dir else None
+        default_target = str(default_model.ensure_default_target(cache, log=logger.info))
+        default_draft = default_draft_dir()
+        if default_draft is None:
+            logger.info(
+                "No default drafter is bundled yet: serving the embedded target without "
+                "speculative decoding. Pass --speculative-draft-model-path to use DFLASH_X."
+            )
+    args = resolve_args(sglang_args, device, default_target, default_draft)
+    check_models(args)
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    logger.info("launching SGLang: %s", " ".join(args))
+    run_server(prepare_server_args(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The DFLASH_X worker: one speculative step = draft a block, verify it, accept, inject KV.
+
+Built on upstream `DFlashWorkerV2` (model loading, draft runner, memory pools, CUDA graphs,
+prefill-time KV injection stay upstream's); the decode step is ours, split into the seams
+later work extends: block building, drafting, verification width, acceptance, KV injection.
+Plain DFlash drafts only: selector, Domino and LiLiCorr variants are rejected at start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.lora.layers import unwrap_lora_layer
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import (
+    apply_dflash_verify_logits_adjustments,
+    compute_dflash_sampling_correct_drafts_and_bonus,
+    is_dflash_sampling_verify_available,
+)
+from sglang.srt.speculative.dflash_worker_v2 import (
+    DFlashWorkerV2,
+    _resolve_dflash_embedding_module,
+)
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
+from sglang.srt.speculative.spec_utils import (
+    GrammarTree,
+    build_grammar_vocab_mask,
+    draft_tp_context,
+)
+from sglang.srt.utils import is_cpu
+
+from dflash_sglang import acceptance, kv_injection
+from dflash_sglang.block import build_draft_block
+
+logger = logging.getLogger(__name__)
+
+
+def _keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
+    """SGLang's model runner casts `input_embeds` to bf16 whatever `--dtype` says; cast back."""
+    dtype = draft_model.fc.weight.dtype
+    if dtype == torch.bfloat16:
+        return
+    forward = draft_model.forward
+
+    def forward_in_model_dtype(*args, input_embeds=None, **kwargs):
+        if input_embeds is not None:
+            input_embeds = input_embeds.to(dtype)
+        return forward(*args, input_embeds=input_embeds, **kwargs)
+
+    draft_model.forward = forward_in_model_dtype
+
+
+class DFlashXWorker(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        if self.selector is not None or self.lilicorr is not None or self._is_domino:
+            raise ValueError(
+                "DFLASH_X serves plain DFlash drafts; this checkpoint has a selector, "
+                "LiLiCorr or Domino head (use --speculative-algorithm DFLASH for those)"
+            )
+        if self._need_mamba_verify_commit:
+            raise ValueError("DFLASH_X does not support hybrid (Mamba/linear-attention) targets")
+        if is_cpu():
+            from dflash_sglang.cpu_platform.triton_fallbacks import use_torch_paths
+
+            use_torch_paths(self.draft_model)
+        _keep_embeds_in_model_dtype(self.draft_model)
+        self._generator: torch.Generator | None = None
+        logger.info(
+            "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s",
+            self.block_size,
+            self._mask_token_id,
+            type(self.draft_model).__name__,
+        )
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def forward_batch_generation(
+        self,
+        batch: ScheduleBatch,
+        on_publish=None,
+        grammar_barrier=None,
+        pp_proxy_tensors=None,
+    ) -> GenerationBatchResult:
+        mode = batch.forward_mode
+        if mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
+            # Prefill (target forward + KV injection of prompt features) is upstream's.
+            return super().forward_batch_generation(
+                batch, on_publish, grammar_barrier, pp_proxy_tensors
+            )
+        return self.decode_step(batch, on_publish, grammar_barrier)
+
+    def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
+        draft_input: DFlashDraftInputV2 = batch.spec_info
+        bs = len(batch.seq_lens)
+        width = self.verify_width(bs)
+        prefix_lens = batch.seq_lens
+
+        # --- 1) Block: [bonus, MASK...] at prefix_lens + arange(width), and its KV slots.
+        block_ids, positions_2d = build_draft_block(
+            draft_input.bonus_tokens, prefix_lens, width, int(self._mask_token_id)
+        )
+        cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix_lens,
+            end_offset=prefix_lens + width,
+            batch_size=bs,
+            draft_token_num=width,
+            device=self.device,
+        )
+        positions = positions_2d.reshape(-1)
+        kv_loc_plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix_lens,
+            seq_lens_cpu=self._host_prefix_lens(batch, draft_input),
+            write_virtual=cache_loc,
+            read_extent=width,
+        )
+
+        # --- 2) Draft: one non-causal forward over the block, argmax of the target head.
+        draft_tokens = self.draft_block(batch, block_ids, positions, cache_loc, kv_loc_plan)
+
+        # --- 3) Verify: one causal target forward over [anchor, drafts].
+        logits_output, can_run_cuda_graph = self.verify(
+            batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan
+        )
+        grammar_tree = GrammarTree.from_linear_chain(draft_tokens) if batch.has_grammar else None
+        if grammar_tree is not None:
+            build_grammar_vocab_mask(
+                reqs=batch.reqs,
+                tree=grammar_tree,
+                sampling_info=batch.sampling_info,
+                device=logits_output.next_token_logits.device,
+                barrier=grammar_barrier,
+            ).apply(logits_output.next_token_logits)
+
+        # --- 4) Accept the longest matching prefix plus the target's bonus token.
+        accepted = self.accept(draft_tokens, logits_output.next_token_logits, batch, width)
+        if batch.return_logprob:
+            compute_spec_logprobs(
+                batch, logits_output, accepted.out_tokens.reshape(-1), chain_stride=width
+            )
+        new_seq_lens = prefix_lens + accepted.commit_lens.to(prefix_lens.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # --- 5) Inject the committed tokens' target features into the draft KV cache.
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DFLASH_X verify returned no target hidden states")
+        draft_loc = self._draft_write_ids(kv_loc_plan)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden[: bs * width],
+            cache_loc=draft_loc,
+            positions=positions,
+            cache_loc_2d=draft_loc.view(bs, width),
+            commit_lens=accepted.commit_lens,
+        )
+        logits_output.hidden_states = None
+
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=accepted.out_tokens.reshape(-1),
+            accept_lens=accepted.commit_lens,
+            can_run_cuda_graph=can_run_cuda_graph,
+            next_draft_input=make_draft_input_v2(
+                bonus_tokens=accepted.bonus, new_seq_lens=new_seq_lens
+            ),
+            speculative_num_draft_tokens=width,
+            new_seq_lens=new_seq_lens,
+        )
+
+    # ---- seams ----------------------------------------------------------------------------
+
+    def verify_width(self, batch_size: int) -> int:
+        """Tokens verified per request this step (anchor included)."""
+        return int(self.block_size)
+
+    def draft_block(self, batch, block_ids, positions, cache_loc, kv_loc_plan) -> torch.Tensor:
+        """Run the drafter on the block; return `[bs, B]` = anchor then B-1 proposals."""
+        bs, width = block_ids.shape
+        target_model = self.target_worker.model_runner.model
+        if self._full_embed_gpu is not None:
+            embeds = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
+        else:
+            embed = _resolve_dflash_embedding_module(self.draft_model, target_model)
+            embeds = unwrap_lora_layer(embed)(block_ids)
+        if self._noise_embed_scale != 1.0:
+            embeds = embeds * self._noise_embed_scale
+
+        host_lens = self._host_prefix_lens(batch, batch.spec_info) + width
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=cache_loc,
+            seq_lens_sum=int(host_lens.sum()),
+            seq_lens_cpu=host_lens,
+            positions=positions,
+            input_embeds=embeds.view(-1, embeds.shape[-1]),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded=(
+                torch.full((), bs * width, dtype=torch.int32, device=self.device)
+                if enable_num_token_non_padded()
+                else None
+            ),
+            global_num_token_non_padded_cpu=bs * width,
+            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+        )
+        kv_loc_plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            draft_out = self.draft_model_runner.forward(forward_batch)
+            if self._draft_sampler is not None and draft_out.can_run_graph:
+                proposals = self._draft_sampler.out[: bs * (width - 1)].view(bs, width - 1)
+            else:
+                hidden = draft_out.logits_output.hidden_states.view(bs, width, -1)
+                proposals = self._greedy_sample_from_vocab_parallel_head(
+                    hidden_states=hidden[:, 1:, :].reshape(-1, hidden.shape[-1]),
+                    lm_head=unwrap_lora_layer(target_model.lm_head),
+                ).view(bs, width - 1)
+        return torch.cat([block_ids[:, :1], proposals.to(torch.int64)], dim=1)
+
+    def verify(self, batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan):
+        """Target forward over the chain, capturing the hidden states KV injection needs."""
+        width = draft_tokens.shape[1]
+        verify_input = DFlashVerifyInput(
+            draft_token=draft_tokens.reshape(-1),
+            positions=positions,
+            draft_token_num=width,
+            custom_mask=None,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=kv_loc_plan,
+        )
+        batch.out_cache_loc = cache_loc
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        host_lens = self._host_prefix_lens(batch, draft_input) + width
+        batch.seq_lens_cpu, batch.seq_lens_sum = host_lens, int(host_lens.sum())
+        try:
+            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        finally:
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
+        logits_output = out.logits_output
+        lp = self._target_logits_processor
+        if lp is not None and lp.is_deferred_shard(logits_output.next_token_logits):
+            logits_output.next_token_logits = lp.finish_deferred_gather(
+                logits_output.next_token_logits
+            )
+        if batch.sampling_info is not None:
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=logits_output.next_token_logits,
+                sampling_info=batch.sampling_info,
+                draft_token_num=width,
+            )
+        return logits_output, out.can_run_cuda_graph
+
+    def accept(self, candidates, logits, batch, width) -> acceptance.Acceptance:
+        """Greedy prefix match, or exact speculative sampling when any request samples."""
+        bs = candidates.shape[0]
+        info = batch.sampling_info
+        if info is None or info.is_all_greedy:
+            predict = torch.argmax(logits, dim=-1).view(bs, width)
+            self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, predict)
+            return acceptance.greedy_accept(candidates, predict)
+        if is_dflash_sampling_verify_available():
+            accept_lens, bonus = compute_dflash_sampling_correct_drafts_and_bonus(
+                candidates=candidates,
+                next_token_logits=logits,
+                sampling_info=info,
+                max_top_k=batch.spec_info.max_top_k,
+                uniform_top_k_value=batch.spec_info.uniform_top_k_value,
+            )
+        else:
+            accepted = self._sample_accept_torch(candidates, logits, info, width)
+            accept_lens, bonus = accepted.accept_lens, accepted.bonus
+        self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, accept_lens)
+        self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, bonus)
+        return acceptance.commit(candidates, accept_lens, bonus)
+
+    def _sample_accept_torch(self, candidates, logits, info, width) -> acceptance.Acceptance:
+        bs = candidates.shape[0]
+
+        def per_row(values):
+            return torch.repeat_interleave(values.view(-1), width)
+
+        probs = acceptance.sampling_probs(
+            logits,
+            per_row(info.temperatures),
+            per_row(info.top_ks),
+            per_row(info.top_ps),
+            per_row(info.min_ps) if info.need_min_p_sampling else None,
+        ).view(bs, width, -1)
+        # Greedy rows in a mixed batch have top_k == 1: a one-hot p accepts iff draft == argmax.
+        coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
+        return acceptance.sampled_accept(candidates, probs, coins, self._generator)
+
+    def _append_target_hidden_to_draft_kv_by_loc(
+        self,
+        *,
+        target_hidden: torch.Tensor,
+        cache_loc: torch.Tensor,
+        positions: torch.Tensor,
+        cache_loc_2d: torch.Tensor | None = None,
+        commit_lens: torch.Tensor | None = None,
+        extend_lens: torch.Tensor | None = None,
+    ) -> None:
+        """KV injection seam; GPUs keep upstream's fused kernel, elsewhere `kv_injection`."""
+        if self._use_fused_kv_materialize and self._fused_kv_helper is not None:
+            return super()._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=target_hidden,
+                cache_loc=cache_loc,
+                positions=positions,
+                cache_loc_2d=cache_loc_2d,
+                commit_lens=commit_lens,
+                extend_lens=extend_lens,
+            )
+        target_hidden = target_hidden[: cache_loc.numel()]
+        if commit_lens is not None:
+            width = cache_loc.numel() // commit_lens.numel()
+            rows = kv_injection.committed_rows(commit_lens, width)
+            target_hidden, positions, cache_loc = (
+                target_hidden[rows],
+                positions[rows],
+                cache_loc[rows],
+            )
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            kv_injection.inject(
+                self.draft_model,
+                self.draft_model_runner.token_to_kv_pool,
+                target_hidden.to(self.device),
+                positions.to(self.device),
+                cache_loc.to(self.device),
+            )
+
+    @staticmethod
+    def _host_prefix_lens(batch: ScheduleBatch, draft_input: DFlashDraftInputV2) -> torch.Tensor:
+        if batch.seq_lens_cpu is not None:
+            return batch.seq_lens_cpu
+        if draft_input.nxt_kv_lens_cpu is not None:
+            return draft_input.nxt_kv_lens_cpu
+        return batch.seq_lens.cpu()

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+from dflash_sglang.cpu_platform import install_sgl_kernel_shim  # noqa: E402
+
+install_sgl_kernel_shim()
+
+from tests.fixtures import make_tiny_draft, make_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_target(root / "target")
+    return {
+        "target": target,
+        "draft": make_tiny_draft(target, root / "draft", block_size=4, num_layers=1),
+        "draft2": make_tiny_draft(
+            target, root / "draft2", block_size=8, num_layers=2, target_layer_ids=[0, 2]
+        ),
+    }

@@ -1,0 +1,143 @@
+"""Tiny random models in the formats the product serves: a Llama target and a z-lab draft."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+MASK_TOKEN = "<|MASK|>"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TARGET_LAYERS = 4
+HIDDEN = 64
+VOCAB = 512
+
+
+def _corpus() -> list[str]:
+    words = "the quick brown fox jumps over a lazy dog while speculative decoding drafts blocks"
+    return [f"{words} {i} {words[::-1]} number {i * 7}" for i in range(300)]
+
+
+def make_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 16,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(out)
+    return hf
+
+
+def make_tiny_target(out: Path, seed: int = 0) -> Path:
+    """A 4-layer Llama (SmolLM2's architecture) with random weights, bf16 on disk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # chaotic enough that greedy output does not loop on one token
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def make_tiny_draft(
+    target: Path,
+    out: Path,
+    *,
+    block_size: int = 4,
+    num_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 1,
+    overrides: dict | None = None,
+) -> Path:
+    """A random `DFlashDraftModel` checkpoint in z-lab format for `target`."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
+    layer_ids = target_layer_ids or [1, 2][:num_layers] or [1]
+    heads, kv_heads, head_dim, inter = 4, 2, 16, 128
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": HIDDEN,
+        "intermediate_size": inter,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "block_size": block_size,
+        "num_target_layers": TARGET_LAYERS,
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
+    }
+    config.update(overrides or {})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    weights = {
+        "fc.weight": rand(HIDDEN, HIDDEN * len(layer_ids)),
+        "hidden_norm.weight": ones(HIDDEN),
+        "norm.weight": ones(HIDDEN),
+    }
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, heads * head_dim),
+            p + "self_attn.q_norm.weight": ones(head_dim),
+            p + "self_attn.k_norm.weight": ones(head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, HIDDEN),
+            p + "mlp.up_proj.weight": rand(inter, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, inter),
+            p + "input_layernorm.weight": ones(HIDDEN),
+            p + "post_attention_layernorm.weight": ones(HIDDEN),
+        }
+    save_file(weights, str(out / "model.safetensors"))
+    return out

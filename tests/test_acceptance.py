@@ -1,0 +1,69 @@
+import torch
+
+from dflash_sglang import acceptance
+from dflash_sglang.block import build_draft_block
+
+
+def test_block_is_anchor_then_masks_at_absolute_positions():
+    ids, pos = build_draft_block(torch.tensor([7, 9]), torch.tensor([3, 10]), 4, mask_token_id=99)
+    assert ids.tolist() == [[7, 99, 99, 99], [9, 99, 99, 99]]
+    assert pos.tolist() == [[3, 4, 5, 6], [10, 11, 12, 13]]
+
+
+def test_greedy_accepts_matching_prefix_and_takes_bonus_at_first_mismatch():
+    cand = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3]])
+    pred = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [8, 2, 3, 4]])
+    acc = acceptance.greedy_accept(cand, pred)
+    assert acc.accept_lens.tolist() == [3, 1, 0]
+    assert acc.bonus.tolist() == [4, 9, 8]
+    assert acc.commit_lens.tolist() == [4, 2, 1]
+    emitted = [row[:n].tolist() for row, n in zip(acc.out_tokens, acc.commit_lens, strict=True)]
+    assert emitted == [[1, 2, 3, 4], [1, 9], [8]]
+
+
+def test_greedy_stops_at_first_mismatch_even_if_later_drafts_match():
+    acc = acceptance.greedy_accept(torch.tensor([[0, 1, 7, 3]]), torch.tensor([[1, 2, 3, 5]]))
+    assert acc.accept_lens.tolist() == [1]
+    assert acc.bonus.tolist() == [2]
+
+
+def _probs(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_sampled_accept_with_one_hot_target_equals_greedy():
+    torch.manual_seed(0)
+    pred = torch.tensor([[1, 2, 0]])
+    probs = torch.nn.functional.one_hot(pred, 4).float()
+    cand = torch.tensor([[3, 1, 3]])
+    acc = acceptance.sampled_accept(cand, probs, torch.rand(1, 2))
+    assert acc.accept_lens.tolist() == [1] and acc.bonus.tolist() == [2]
+
+
+def test_sampled_accept_is_distribution_exact_for_first_token():
+    """P(first emitted token = x) must equal p(x) whatever the draft proposes."""
+    torch.manual_seed(0)
+    p = [0.5, 0.3, 0.2]
+    n = 40000
+    probs = _probs([p, p]).expand(n, 2, 3)
+    cand = torch.tensor([[0, 1]]).expand(n, 2)  # the draft always proposes token 1
+    acc = acceptance.sampled_accept(cand, probs, torch.rand(n, 1))
+    first = acc.out_tokens[:, 0]
+    freq = torch.bincount(first, minlength=3).float() / n
+    assert torch.allclose(freq, torch.tensor(p), atol=0.01), freq
+
+
+def test_sampling_probs_top_k_top_p_min_p():
+    logits = torch.log(_probs([[0.5, 0.3, 0.15, 0.05]] * 4))
+    temps = torch.ones(4)
+    probs = acceptance.sampling_probs(
+        logits,
+        temps,
+        torch.tensor([4, 2, 4, 4]),
+        torch.tensor([1.0, 1.0, 0.7, 1.0]),
+        torch.tensor([0.0, 0.0, 0.0, 0.2]),
+    )
+    assert torch.allclose(probs[0], _probs([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(probs[1], _probs([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs[2], _probs([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs[3], _probs([0.5, 0.3, 0.15, 0]) / 0.95)
