@@ -53,8 +53,15 @@ class Server:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def generate(self, text: str | None = None, input_ids: list[int] | None = None, **sampling):
-        body = {"sampling_params": {"temperature": 0, **sampling}}
+    def generate(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        request: dict | None = None,
+        **sampling,
+    ):
+        """POST /generate; `sampling` goes to sampling_params, `request` to the top level."""
+        body = {"sampling_params": {"temperature": 0, **sampling}, **(request or {})}
         body |= {"text": text} if input_ids is None else {"input_ids": input_ids}
         r = requests.post(self.url + "/generate", json=body, timeout=600)
         r.raise_for_status()

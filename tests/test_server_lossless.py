@@ -1,0 +1,136 @@
+"""End to end on real SGLang servers (CPU, tiny random models): DFLASH_X vs plain decoding.
+
+In float32, greedy DFLASH_X output must equal the same server without speculation token
+for token. One AR and one DFLASH_X server are shared by every test here.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.prompts import LONG, SHARED_PREFIX, SHORT
+from tests.server import Server
+
+pytestmark = pytest.mark.server
+MAX_NEW = 24
+# Small enough that the long prompts below evict each other's cached prefixes.
+POOL_TOKENS = "2400"
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--model-path", str(models["target"]), "--dtype", "float32"]
+    ar = Server(
+        [*common, "--speculative-algorithm", "NONE", "--max-total-tokens", POOL_TOKENS],
+        logs / "ar.log",
+    )
+    try:
+        dx = Server(
+            [
+                *common,
+                "--speculative-draft-model-path",
+                str(models["draft"]),
+                "--max-total-tokens",
+                POOL_TOKENS,
+            ],
+            logs / "dflash_x.log",
+        )
+    except Exception:
+        ar.stop()
+        raise
+    yield ar, dx
+    ar.stop()
+    dx.stop()
+
+
+def _ids(server: Server, text: str, max_new: int = MAX_NEW) -> list[int]:
+    return server.generate(text, max_new_tokens=max_new, ignore_eos=True)["output_ids"]
+
+
+def test_single_requests_are_lossless(servers):
+    ar, dx = servers
+    for text in SHORT:
+        assert _ids(dx, text) == _ids(ar, text), text
+
+
+def test_concurrent_requests_are_lossless(servers):
+    ar, dx = servers
+    texts = [SHARED_PREFIX + " " + t for t in SHORT[:8]]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: _ids(dx, t), texts))
+    assert got == [_ids(ar, t) for t in texts]
+
+
+def test_radix_cache_hits_are_lossless(servers):
+    ar, dx = servers
+    first = dx.generate(SHARED_PREFIX, max_new_tokens=MAX_NEW, ignore_eos=True)
+    again = dx.generate(SHARED_PREFIX, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert first["output_ids"] == again["output_ids"] == _ids(ar, SHARED_PREFIX)
+
+
+def test_long_prompt_and_eviction_are_lossless(servers):
+    ar, dx = servers
+    other = LONG.replace("brown", "lazy")
+    expected = {t: _ids(ar, t) for t in (LONG, other)}
+    for text in (LONG, other, LONG):  # each long prompt evicts the other's cached tokens
+        out = dx.generate(text, max_new_tokens=MAX_NEW, ignore_eos=True)
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] > 1000
+        assert out["output_ids"] == expected[text]
+    assert meta["cached_tokens"] < meta["prompt_tokens"] // 2, "LONG was not evicted"
+
+
+def test_acceptance_fields_and_metrics(servers):
+    _, dx = servers
+    meta = dx.generate(SHORT[0], max_new_tokens=MAX_NEW, ignore_eos=True)["meta_info"]
+    assert meta["spec_verify_ct"] >= 1
+    assert 1.0 <= meta["spec_accept_length"] <= 4.0
+    assert sum(meta["spec_correct_drafts_histogram"]) == meta["spec_verify_ct"]
+    metrics = requests.get(dx.url + "/metrics", timeout=30).text
+    assert "sglang:spec_verify_calls_total" in metrics
+    assert "sglang:spec_accept_length" in metrics
+
+
+def test_sampling_returns_valid_text(servers):
+    _, dx = servers
+    for params in (
+        {"temperature": 0.8, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 20},
+        {"temperature": 0.7, "top_p": 0.95, "top_k": 50, "min_p": 0.05},
+    ):
+        out = dx.generate(SHORT[1], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
+        assert len(out["output_ids"]) == MAX_NEW
+        assert isinstance(out["text"], str) and out["text"]
+        assert all(0 <= t < 512 for t in out["output_ids"])
+
+
+def test_openai_chat_completions(servers):
+    _, dx = servers
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": SHORT[2]}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    r = requests.post(dx.url + "/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    reply = r.json()["choices"][0]["message"]["content"]
+    with requests.post(
+        dx.url + "/v1/chat/completions", json=body | {"stream": True}, stream=True, timeout=300
+    ) as s:
+        s.raise_for_status()
+        chunks = [line for line in s.iter_lines() if line.startswith(b"data: ")]
+    assert chunks[-1] == b"data: [DONE]"
+    import json
+
+    streamed = "".join(
+        (json.loads(c[6:])["choices"][0]["delta"].get("content") or "")
+        for c in chunks[:-1]
+        if json.loads(c[6:])["choices"]
+    )
+    assert streamed == reply
