@@ -2,7 +2,8 @@
 
 Every SGLang server argument passes through unchanged. Added defaults (each only when the
 flag is absent): `--speculative-algorithm DFLASH_X` (when a draft is given), `--enable-metrics`,
-`--host 127.0.0.1`, `--device` from the machine, and the platform's attention backend.
+`--host 127.0.0.1`, `--device` from the machine, the platform's attention backend, and on
+CPU `--sleep-on-idle`.
 Without `--model-path` it serves the embedded default target. Draft/target mismatches fail
 here, before any process is spawned.
 """
@@ -109,11 +110,14 @@ def resolve_args(
         args.append("--enable-metrics")
     if not has_flag(args, "--host"):
         args += ["--host", "127.0.0.1"]
+    on_cpu = flag_value(args, "--device").startswith("cpu")
     if not has_flag(args, "--attention-backend"):
-        on_cpu = flag_value(args, "--device").startswith("cpu")
         from dflash_sglang.spec import CPU_ATTENTION_BACKEND
 
         args += ["--attention-backend", CPU_ATTENTION_BACKEND if on_cpu else GPU_ATTENTION_BACKEND]
+    if on_cpu and not has_flag(args, "--sleep-on-idle"):
+        # An idle scheduler otherwise busy-polls a core that the busy one needs.
+        args.append("--sleep-on-idle")
     return args
 
 

@@ -28,3 +28,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
             target, root / "draft2", block_size=8, num_layers=2, target_layer_ids=[0, 2]
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> tuple[Path, list[str]]:
+    """The embedded default target, really converted once per session into a private cache."""
+    from dflash_sglang import default_model
+
+    logs: list[str] = []
+    root = tmp_path_factory.mktemp("cache")
+    return default_model.ensure_default_target(root, log=logs.append), logs

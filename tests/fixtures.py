@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from dflash_sglang.checkpoint import write_random_draft
 
 MASK_TOKEN = "<|MASK|>"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
@@ -81,63 +81,18 @@ def make_tiny_draft(
     num_layers: int = 1,
     target_layer_ids: list[int] | None = None,
     seed: int = 1,
-    overrides: dict | None = None,
 ) -> Path:
     """A random `DFlashDraftModel` checkpoint in z-lab format for `target`."""
     from transformers import AutoTokenizer
 
-    out.mkdir(parents=True, exist_ok=True)
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
-    layer_ids = target_layer_ids or [1, 2][:num_layers] or [1]
-    heads, kv_heads, head_dim, inter = 4, 2, 16, 128
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": HIDDEN,
-        "intermediate_size": inter,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "vocab_size": VOCAB,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "block_size": block_size,
-        "num_target_layers": TARGET_LAYERS,
-        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
-    }
-    config.update(overrides or {})
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
-
-    def ones(n):
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    weights = {
-        "fc.weight": rand(HIDDEN, HIDDEN * len(layer_ids)),
-        "hidden_norm.weight": ones(HIDDEN),
-        "norm.weight": ones(HIDDEN),
-    }
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        weights |= {
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, HIDDEN),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, HIDDEN),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, HIDDEN),
-            p + "self_attn.o_proj.weight": rand(HIDDEN, heads * head_dim),
-            p + "self_attn.q_norm.weight": ones(head_dim),
-            p + "self_attn.k_norm.weight": ones(head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, HIDDEN),
-            p + "mlp.up_proj.weight": rand(inter, HIDDEN),
-            p + "mlp.down_proj.weight": rand(HIDDEN, inter),
-            p + "input_layernorm.weight": ones(HIDDEN),
-            p + "post_attention_layernorm.weight": ones(HIDDEN),
-        }
-    save_file(weights, str(out / "model.safetensors"))
-    return out
+    return write_random_draft(
+        target,
+        out,
+        block_size=block_size,
+        num_layers=num_layers,
+        mask_token_id=mask_id,
+        target_layer_ids=target_layer_ids or [1],
+        head_dim=16,
+        seed=seed,
+    )

@@ -18,13 +18,6 @@ from dflash_sglang import default_model as dm
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """The real conversion, once per session, into a private cache root."""
-    logs: list[str] = []
-    return dm.ensure_default_target(tmp_path_factory.mktemp("cache"), log=logs.append), logs
-
-
 @pytest.fixture
 def fake_convert(converted, monkeypatch) -> list[Path]:
     """Replace the slow conversion with hard links to the real result; records each call."""

@@ -134,3 +134,31 @@ def test_openai_chat_completions(servers):
         if json.loads(c[6:])["choices"]
     )
     assert streamed == reply
+
+
+def test_aborts_and_bad_requests_leave_the_server_consistent(servers):
+    ar, dx = servers
+    body = {
+        "text": SHORT[3],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
+    for _ in range(3):  # the client goes away mid-generation: SGLang aborts the request
+        with requests.post(dx.url + "/generate", json=body, stream=True, timeout=300) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+    too_long = requests.post(
+        dx.url + "/generate",
+        json={"text": LONG * 3, "sampling_params": {"max_new_tokens": 4}},
+        timeout=300,
+    )
+    assert 400 <= too_long.status_code < 500 and too_long.text
+    bad_params = requests.post(
+        dx.url + "/generate",
+        json={"text": "x", "sampling_params": {"temperature": -1}},
+        timeout=300,
+    )
+    assert 400 <= bad_params.status_code < 500
+    for text in SHORT[:4]:
+        assert _ids(dx, text) == _ids(ar, text)

@@ -1,0 +1,35 @@
+"""`make serve` path: the launcher with no model arguments serves the embedded default."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.server import Server
+
+pytestmark = pytest.mark.server
+
+
+def test_embedded_default_answers_a_chat_completion(converted, tmp_path):
+    target, _ = converted
+    server = Server(["--dflash-cache-dir", str(target.parent)], tmp_path / "serve.log", threads=2)
+    try:
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        log = server.log_path.read_text()
+        assert "No default drafter is bundled yet" in log
+        assert "Converting" not in log  # the session's conversion was reused
+        bad = requests.post(
+            server.url + "/v1/chat/completions", json={"model": "default"}, timeout=60
+        )
+        assert 400 <= bad.status_code < 500
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        server.stop()
