@@ -40,9 +40,10 @@ MASK_TOKEN_ID = 16  # SmolLM2's unused `<empty_output>` special token
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
     )
+    return tokenizer(chat, add_special_tokens=False).input_ids
 
 
 def run_level(server: Server, prompts: list[list[int]], concurrency: int, max_new: int) -> dict:

@@ -9,6 +9,9 @@ Plain DFlash drafts only: selector, Domino and LiLiCorr variants are rejected at
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
@@ -49,6 +52,16 @@ from dflash_sglang.block import build_draft_block
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one decode step did; handed to `DFlashXWorker.step_observers` (metrics)."""
+
+    verify_width: int
+    accept_lens: torch.Tensor  # [bs] accepted drafts per request (bonus excluded)
+    draft_seconds: float
+    verify_seconds: float
+
+
 def _keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
     """SGLang's model runner casts `input_embeds` to bf16 whatever `--dtype` says; cast back."""
     dtype = draft_model.fc.weight.dtype
@@ -80,6 +93,7 @@ class DFlashXWorker(DFlashWorkerV2):
             use_torch_paths(self.draft_model)
         _keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
+        self.step_observers: list[Callable[[StepRecord], None]] = []
         logger.info(
             "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s",
             self.block_size,
@@ -133,7 +147,9 @@ class DFlashXWorker(DFlashWorkerV2):
         )
 
         # --- 2) Draft: one non-causal forward over the block, argmax of the target head.
+        t0 = self._clock()
         draft_tokens = self.draft_block(batch, block_ids, positions, cache_loc, kv_loc_plan)
+        t1 = self._clock()
 
         # --- 3) Verify: one causal target forward over [anchor, drafts].
         logits_output, can_run_cuda_graph = self.verify(
@@ -151,6 +167,7 @@ class DFlashXWorker(DFlashWorkerV2):
 
         # --- 4) Accept the longest matching prefix plus the target's bonus token.
         accepted = self.accept(draft_tokens, logits_output.next_token_logits, batch, width)
+        t2 = self._clock()
         if batch.return_logprob:
             compute_spec_logprobs(
                 batch, logits_output, accepted.out_tokens.reshape(-1), chain_stride=width
@@ -172,6 +189,10 @@ class DFlashXWorker(DFlashWorkerV2):
             commit_lens=accepted.commit_lens,
         )
         logits_output.hidden_states = None
+        if self.step_observers:
+            record = StepRecord(width, accepted.accept_lens, t1 - t0, t2 - t1)
+            for observe in self.step_observers:
+                observe(record)
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -352,6 +373,12 @@ class DFlashXWorker(DFlashWorkerV2):
                 positions.to(self.device),
                 cache_loc.to(self.device),
             )
+
+    def _clock(self) -> float:
+        """Wall time for step observers; synchronises the device only when someone observes."""
+        if self.step_observers and str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     @staticmethod
     def _host_prefix_lens(batch: ScheduleBatch, draft_input: DFlashDraftInputV2) -> torch.Tensor:

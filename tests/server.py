@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -76,3 +78,19 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+@contextmanager
+def ar_and_dflash(common: list[str], draft: Path, log_dir: Path) -> Iterator[tuple[Server, Server]]:
+    """The same target served twice: without speculation, and with DFLASH_X and `draft`."""
+    ar = Server([*common, "--speculative-algorithm", "NONE"], log_dir / "ar.log")
+    try:
+        dx = Server([*common, "--speculative-draft-model-path", str(draft)], log_dir / "dx.log")
+    except Exception:
+        ar.stop()
+        raise
+    try:
+        yield ar, dx
+    finally:
+        ar.stop()
+        dx.stop()

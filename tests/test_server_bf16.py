@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.prompts import SHORT, prompt
-from tests.server import Server
+from tests.server import Server, ar_and_dflash
 
 pytestmark = pytest.mark.server
 MAX_NEW = 48
@@ -22,7 +22,6 @@ NEAR_TIE_NATS = 0.25  # far below the typical top-1/top-2 gap of this model
 
 @pytest.fixture(scope="module")
 def bf16_servers(models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs_bf16")
     common = [
         "--model-path",
         str(models["target"]),
@@ -31,18 +30,8 @@ def bf16_servers(models, tmp_path_factory):
         "--max-total-tokens",
         "4096",
     ]
-    ar = Server([*common, "--speculative-algorithm", "NONE"], logs / "ar.log")
-    try:
-        dx = Server(
-            [*common, "--speculative-draft-model-path", str(models["draft2"])],
-            logs / "dflash_x.log",
-        )
-    except Exception:
-        ar.stop()
-        raise
-    yield ar, dx
-    ar.stop()
-    dx.stop()
+    with ar_and_dflash(common, models["draft2"], tmp_path_factory.mktemp("logs_bf16")) as pair:
+        yield pair
 
 
 def _top2(ar: Server, input_ids: list[int]) -> list[tuple[float, int]]:

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from tests.prompts import LONG, SHARED_PREFIX, SHORT
-from tests.server import Server
+from tests.server import Server, ar_and_dflash
 
 pytestmark = pytest.mark.server
 MAX_NEW = 24
@@ -22,29 +22,16 @@ POOL_TOKENS = "2400"
 
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    common = ["--model-path", str(models["target"]), "--dtype", "float32"]
-    ar = Server(
-        [*common, "--speculative-algorithm", "NONE", "--max-total-tokens", POOL_TOKENS],
-        logs / "ar.log",
-    )
-    try:
-        dx = Server(
-            [
-                *common,
-                "--speculative-draft-model-path",
-                str(models["draft"]),
-                "--max-total-tokens",
-                POOL_TOKENS,
-            ],
-            logs / "dflash_x.log",
-        )
-    except Exception:
-        ar.stop()
-        raise
-    yield ar, dx
-    ar.stop()
-    dx.stop()
+    common = [
+        "--model-path",
+        str(models["target"]),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        POOL_TOKENS,
+    ]
+    with ar_and_dflash(common, models["draft"], tmp_path_factory.mktemp("logs")) as pair:
+        yield pair
 
 
 def _ids(server: Server, text: str, max_new: int = MAX_NEW) -> list[int]:
