@@ -151,11 +151,12 @@ class DFlashXWorker(DFlashWorkerV2):
         draft_tokens = self.draft_block(batch, block_ids, positions, cache_loc, kv_loc_plan)
         t1 = self._clock()
 
-        # --- 3) Verify: one causal target forward over [anchor, drafts].
+        # --- 3) Verify: one causal target forward over [anchor, drafts]. The grammar tree is
+        # built first so grammar work overlaps the verify forward.
+        grammar_tree = GrammarTree.from_linear_chain(draft_tokens) if batch.has_grammar else None
         logits_output, can_run_cuda_graph = self.verify(
             batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan
         )
-        grammar_tree = GrammarTree.from_linear_chain(draft_tokens) if batch.has_grammar else None
         if grammar_tree is not None:
             build_grammar_vocab_mask(
                 reqs=batch.reqs,

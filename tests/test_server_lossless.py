@@ -149,3 +149,18 @@ def test_aborts_and_bad_requests_leave_the_server_consistent(servers):
     assert 400 <= bad_params.status_code < 500
     for text in SHORT[:4]:
         assert _ids(dx, text) == _ids(ar, text)
+
+
+def test_constrained_decoding_and_logprobs_match_plain_decoding(servers):
+    ar, dx = servers
+    regex = {"regex": "(fox|dog|blocks)( (fox|dog|blocks)){5}"}
+    outs = [s.generate(SHORT[5], max_new_tokens=MAX_NEW, **regex) for s in (ar, dx)]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert len(outs[1]["text"].split()) == 6
+    req = {"return_logprob": True}
+    a, d = (s.generate(SHORT[6], max_new_tokens=8, ignore_eos=True, request=req) for s in (ar, dx))
+    assert a["output_ids"] == d["output_ids"]
+    a_lp = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+    d_lp = [x[0] for x in d["meta_info"]["output_token_logprobs"]]
+    assert len(d_lp) == 8
+    assert max(abs(x - y) for x, y in zip(a_lp, d_lp, strict=True)) < 1e-3
