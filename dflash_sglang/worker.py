@@ -48,6 +48,7 @@ from sglang.srt.utils import is_cpu
 
 from dflash_sglang import acceptance, kv_injection
 from dflash_sglang.block import build_draft_block
+from dflash_sglang.metrics import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class DFlashXWorker(DFlashWorkerV2):
         _keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
+        self.metrics: PrometheusMetrics | None = None
+        if server_args.enable_metrics:
+            self.metrics = PrometheusMetrics(max_verify_width=int(self.block_size))
+            self.step_observers.append(self._export_step)
         logger.info(
             "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s",
             self.block_size,
@@ -113,10 +118,17 @@ class DFlashXWorker(DFlashWorkerV2):
         mode = batch.forward_mode
         if mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
             # Prefill (target forward + KV injection of prompt features) is upstream's.
-            return super().forward_batch_generation(
+            result = super().forward_batch_generation(
                 batch, on_publish, grammar_barrier, pp_proxy_tensors
             )
-        return self.decode_step(batch, on_publish, grammar_barrier)
+            if self.metrics is not None and batch.prefix_lens:
+                self.metrics.observe_prefill(sum(batch.prefix_lens))
+        else:
+            result = self.decode_step(batch, on_publish, grammar_barrier)
+        if self.metrics is not None:
+            allocator = self.model_runner.token_to_kv_pool_allocator
+            self.metrics.set_draft_kv_rows(allocator.size - allocator.available_size())
+        return result
 
     def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
         draft_input: DFlashDraftInputV2 = batch.spec_info
@@ -374,6 +386,11 @@ class DFlashXWorker(DFlashWorkerV2):
                 positions.to(self.device),
                 cache_loc.to(self.device),
             )
+
+    def _export_step(self, record: StepRecord) -> None:
+        self.metrics.observe_step(
+            record.accept_lens, record.verify_width, record.draft_seconds, record.verify_seconds
+        )
 
     def _clock(self) -> float:
         """Wall time for step observers; synchronises the device only when someone observes."""

@@ -14,7 +14,7 @@ from dflash_sglang.cpu_platform import install_sgl_kernel_shim  # noqa: E402
 
 install_sgl_kernel_shim()
 
-from tests.fixtures import make_tiny_draft, make_tiny_target  # noqa: E402
+from tests.fixtures import make_tiny_draft, make_tiny_target, zero_final_norm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,15 @@ def models(tmp_path_factory) -> dict[str, Path]:
             target, root / "draft2", block_size=8, num_layers=2, target_layer_ids=[0, 2]
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def echo_models(tmp_path_factory) -> dict[str, Path]:
+    """A target/draft pair that agrees on every token: acceptance is exactly full."""
+    root = tmp_path_factory.mktemp("echo")
+    target = zero_final_norm(make_tiny_target(root / "target"), "model.norm.weight")
+    draft = zero_final_norm(make_tiny_draft(target, root / "draft", block_size=4), "norm.weight")
+    return {"target": target, "draft": draft}
 
 
 @pytest.fixture(scope="session")

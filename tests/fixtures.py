@@ -96,3 +96,18 @@ def make_tiny_draft(
         head_dim=16,
         seed=seed,
     )
+
+
+def zero_final_norm(model_dir: Path, key: str) -> Path:
+    """Zero a final norm: every logit becomes 0 and argmax is always token 0.
+
+    A target and a draft both treated this way agree on every token, which makes a pair
+    whose acceptance is known exactly (every draft accepted).
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(str(path))
+    weights[key] = torch.zeros_like(weights[key])
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return model_dir

@@ -1,0 +1,86 @@
+"""DFlash metrics on a live server whose acceptance is known exactly (the echo pair)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.prompts import SHORT
+from tests.server import Server
+
+pytestmark = pytest.mark.server
+BLOCK = 4
+MAX_NEW = 1 + 5 * BLOCK  # first token from prefill, then five full blocks
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple], float]:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("dflash_")
+    }
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.fixture(scope="module")
+def echo_server(echo_models, tmp_path_factory):
+    server = Server(
+        [
+            "--model-path",
+            str(echo_models["target"]),
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "4096",
+            "--speculative-draft-model-path",
+            str(echo_models["draft"]),
+        ],
+        tmp_path_factory.mktemp("echo_logs") / "echo.log",
+    )
+    yield server
+    server.stop()
+
+
+def test_counters_match_known_full_acceptance(echo_server):
+    before = scrape(echo_server)
+    metas = [
+        echo_server.generate(t, max_new_tokens=MAX_NEW, ignore_eos=True)["meta_info"]
+        for t in SHORT[:4]
+    ]
+    after = scrape(echo_server)
+    steps = sum(m["spec_verify_ct"] for m in metas)
+    assert steps == 4 * 5
+    assert delta(after, before, "dflash_num_drafts_total") == steps
+    assert delta(after, before, "dflash_num_draft_tokens_total") == steps * (BLOCK - 1)
+    assert delta(after, before, "dflash_num_accepted_tokens_total") == steps * (BLOCK - 1)
+    for k in range(BLOCK - 1):
+        assert (
+            delta(after, before, "dflash_num_accepted_tokens_per_pos_total", position=str(k))
+            == steps
+        )
+    assert all(m["spec_accept_length"] == pytest.approx(MAX_NEW / 5) for m in metas)
+    assert delta(after, before, "dflash_acceptance_length_bucket", le=str(float(BLOCK))) == steps
+    assert delta(after, before, "dflash_acceptance_length_bucket", le="3.0") == 0
+    assert after[("dflash_verify_width", ())] == BLOCK
+    assert delta(after, before, "dflash_draft_seconds_count") == 5 * 4
+    assert delta(after, before, "dflash_verify_seconds_sum") > 0
+
+
+def test_radix_reuse_and_draft_kv_rows(echo_server):
+    prompt = SHORT[7] + " " + SHORT[8]
+    echo_server.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    before = scrape(echo_server)
+    meta = echo_server.generate(prompt, max_new_tokens=4, ignore_eos=True)["meta_info"]
+    after = scrape(echo_server)
+    assert meta["cached_tokens"] > 0
+    assert (
+        delta(after, before, "dflash_radix_reused_draft_kv_tokens_total") == meta["cached_tokens"]
+    )
+    assert after[("dflash_draft_kv_rows", ())] > 0
