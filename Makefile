@@ -26,7 +26,7 @@ test: setup
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check dflash_sglang tests bench
+	$(BIN)/ruff check dflash_sglang server tests bench
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)

@@ -183,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
 
     load_plugins()
+    from sglang.srt.entrypoints.http_server import app
+
+    from dflash_sglang.server import stats
+
+    stats.install(app)
     logger.info("launching SGLang: %s", " ".join(args))
     run_server(prepare_server_args(args))
 

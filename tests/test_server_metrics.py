@@ -84,3 +84,17 @@ def test_radix_reuse_and_draft_kv_rows(echo_server):
         delta(after, before, "dflash_radix_reused_draft_kv_tokens_total") == meta["cached_tokens"]
     )
     assert after[("dflash_draft_kv_rows", ())] > 0
+
+
+def test_stats_endpoint_agrees_with_known_acceptance(echo_server):
+    echo_server.generate(SHORT[9], max_new_tokens=MAX_NEW, ignore_eos=True)
+    stats = requests.get(echo_server.url + "/dflash/stats", timeout=30).json()
+    start = stats["since_start"]
+    assert start["tau"] == pytest.approx(BLOCK)
+    assert start["acceptance_rate"] == pytest.approx(1.0)
+    assert start["acceptance_by_position"] == pytest.approx([1.0] * (BLOCK - 1))
+    assert start["verify_width"] == BLOCK and start["output_tokens"] > 0
+    windowed = requests.get(echo_server.url + "/dflash/stats?window_steps=5", timeout=30).json()
+    assert windowed["window"]["requested_steps"] == 5
+    bad = requests.get(echo_server.url + "/dflash/stats?window_steps=0", timeout=30)
+    assert 400 <= bad.status_code < 500 and "window_steps" in bad.text

@@ -1,0 +1,1 @@
+"""Our additions to SGLang's FastAPI app (installed as `dflash_sglang.server`)."""
