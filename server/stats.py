@@ -8,6 +8,7 @@ for the last N request-steps as well as everything since start.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Query
+
+logger = logging.getLogger(__name__)
 
 GENERATED_TOKENS = "sglang:generation_tokens_total"
 SAMPLE_INTERVAL_S = 1.0
@@ -122,8 +125,10 @@ class StatsHistory:
 
     def _run(self) -> None:
         while True:
-            if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            try:
                 self.record(read_snapshot())
+            except Exception:  # noqa: BLE001 - a bad scrape must not end the sampler
+                logger.exception("dflash stats: reading the metric files failed")
             time.sleep(SAMPLE_INTERVAL_S)
 
     def record(self, snap: Snapshot) -> None:
@@ -150,9 +155,9 @@ def install(app: FastAPI) -> None:
 
     @router.get("/stats")
     def stats(window_steps: int = Query(100, ge=1, le=10_000_000)) -> dict:
-        history.start()
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             return {"error": "metrics are disabled (start with --enable-metrics)"}
+        history.start()
         return history.report(window_steps)
 
     app.include_router(router)
