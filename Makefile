@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup system-deps serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -19,14 +19,21 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Debian programs the tests drive for real: Prometheus (+ promtool) and headless Chromium.
+SYSTEM_BINS := prometheus promtool chromium
+system-deps:
+	@for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q --no-install-recommends prometheus chromium)
+
 serve: setup
 	$(BIN)/python -m dflash_sglang.launch_server $(ARGS)
 
-test: setup
+test: setup system-deps
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check dflash_sglang server tests bench
+	$(BIN)/ruff check dflash_sglang server loadtest tests bench
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)

@@ -185,9 +185,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_plugins()
     from sglang.srt.entrypoints.http_server import app
 
-    from dflash_sglang.server import stats
+    from dflash_sglang import server
 
-    stats.install(app)
+    server.install(app)
     logger.info("launching SGLang: %s", " ".join(args))
     run_server(prepare_server_args(args))
 

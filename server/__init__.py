@@ -1,1 +1,11 @@
 """Our additions to SGLang's FastAPI app (installed as `dflash_sglang.server`)."""
+
+from fastapi import FastAPI
+
+
+def install(app: FastAPI) -> None:
+    """`/dflash/stats`, `/dflash/stats/series` and the `/dflash/` status page."""
+    from dflash_sglang.server import stats, status_page
+
+    stats.install(app)
+    status_page.install(app)

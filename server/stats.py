@@ -1,5 +1,7 @@
 """`GET /dflash/stats`: τ, per-position acceptance, tokens/s and verify width, as JSON.
 
+`GET /dflash/stats/series` gives throughput and τ over time for the status page.
+
 Computed in the HTTP process from the same Prometheus counters the scheduler exports
 (`dflash_sglang.metrics`), read from SGLang's multiprocess metric files, so the JSON and
 any dashboard agree by construction. A sampler keeps recent snapshots so a request can ask
@@ -96,6 +98,30 @@ def oldest_within_steps(history: list[Snapshot], new: Snapshot, steps: int) -> S
     return history[0] if history else None
 
 
+def series(snapshots: list[Snapshot], step_s: float) -> list[dict]:
+    """Throughput and τ per interval of at least `step_s` seconds, oldest first.
+
+    Intervals are measured between recorded snapshots, so a missed sample widens one
+    interval instead of inventing a spike.
+    """
+    points: list[dict] = []
+    start = snapshots[0] if snapshots else None
+    for snap in snapshots[1:]:
+        seconds = snap.time - start.time
+        if seconds < step_s:
+            continue
+        drafts = snap.drafts - start.drafts
+        points.append(
+            {
+                "time": snap.time,
+                "output_tokens_per_s": (snap.generated_tokens - start.generated_tokens) / seconds,
+                "tau": 1.0 + (snap.accepted - start.accepted) / drafts if drafts else None,
+            }
+        )
+        start = snap
+    return points
+
+
 def read_snapshot() -> Snapshot:
     from prometheus_client import CollectorRegistry, multiprocess
 
@@ -111,7 +137,7 @@ def read_snapshot() -> Snapshot:
 
 
 class StatsHistory:
-    """Snapshots taken every second by a daemon thread, for windowed stats."""
+    """Snapshots taken every second by a daemon thread, from launch on, for windowed stats."""
 
     def __init__(self) -> None:
         self.snapshots: deque[Snapshot] = deque(maxlen=HISTORY)
@@ -126,7 +152,9 @@ class StatsHistory:
     def _run(self) -> None:
         while True:
             try:
-                self.record(read_snapshot())
+                # SGLang sets the directory while launching, after we are installed.
+                if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+                    self.record(read_snapshot())
             except Exception:  # noqa: BLE001 - a bad scrape must not end the sampler
                 logger.exception("dflash stats: reading the metric files failed")
             time.sleep(SAMPLE_INTERVAL_S)
@@ -134,6 +162,11 @@ class StatsHistory:
     def record(self, snap: Snapshot) -> None:
         with self._lock:
             self.snapshots.append(snap)
+
+    def series(self, seconds: float, step_s: float) -> list[dict]:
+        with self._lock:
+            recent = [s for s in self.snapshots if s.time >= time.time() - seconds - step_s]
+        return series(recent, step_s)
 
     def report(self, window_steps: int) -> dict:
         now = read_snapshot()
@@ -148,16 +181,28 @@ class StatsHistory:
         }
 
 
+METRICS_OFF = {"error": "metrics are disabled (start with --enable-metrics)"}
+
+
 def install(app: FastAPI) -> None:
-    """Add `/dflash/stats` to SGLang's app; metrics must be enabled for it to have data."""
+    """Add `/dflash/stats[/series]` to SGLang's app; they need metrics enabled for data."""
     history = StatsHistory()
+    history.start()
     router = APIRouter(prefix="/dflash")
 
     @router.get("/stats")
     def stats(window_steps: int = Query(100, ge=1, le=10_000_000)) -> dict:
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-            return {"error": "metrics are disabled (start with --enable-metrics)"}
-        history.start()
+            return METRICS_OFF
         return history.report(window_steps)
+
+    @router.get("/stats/series")
+    def stats_series(
+        seconds: float = Query(600.0, gt=0, le=HISTORY * SAMPLE_INTERVAL_S),
+        step_s: float = Query(5.0, ge=SAMPLE_INTERVAL_S, le=600.0),
+    ) -> dict:
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return METRICS_OFF
+        return {"step_s": step_s, "points": history.series(seconds, step_s)}
 
     app.include_router(router)

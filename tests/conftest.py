@@ -14,7 +14,13 @@ from dflash_sglang.cpu_platform import install_sgl_kernel_shim  # noqa: E402
 
 install_sgl_kernel_shim()
 
-from tests.fixtures import make_tiny_draft, make_tiny_target, zero_final_norm  # noqa: E402
+from tests.fixtures import (  # noqa: E402
+    make_tiny_draft,
+    make_tiny_target,
+    steer_token_zero,
+    zero_final_norm,
+)
+from tests.server import Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +53,36 @@ def converted(tmp_path_factory) -> tuple[Path, list[str]]:
     logs: list[str] = []
     root = tmp_path_factory.mktemp("cache")
     return default_model.ensure_default_target(root, log=logs.append), logs
+
+
+@pytest.fixture(scope="session")
+def half_models(tmp_path_factory) -> dict[str, Path]:
+    """A pair whose acceptance is partial and varies by prompt and position (block 8)."""
+    root = tmp_path_factory.mktemp("half")
+    target = make_tiny_target(root / "target")
+    target = steer_token_zero(zero_final_norm(target, "model.norm.weight"), scale=8.0)
+    return {"target": target, "draft": make_tiny_draft(target, root / "draft", block_size=8)}
+
+
+def _half_server(half_models, tmp_path_factory, name: str, extra: list[str]):
+    args = ["--model-path", str(half_models["target"]), "--dtype", "float32"]
+    server = Server(
+        [*args, "--max-total-tokens", "8192", *extra],
+        tmp_path_factory.mktemp(f"{name}_logs") / f"{name}.log",
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_dflash(half_models, tmp_path_factory):
+    """One DFLASH_X server (metrics on) shared by every test that only reads from it."""
+    draft = ["--speculative-draft-model-path", str(half_models["draft"])]
+    yield from _half_server(half_models, tmp_path_factory, "live_dflash", draft)
+
+
+@pytest.fixture(scope="session")
+def live_ar(half_models, tmp_path_factory):
+    """The same target without speculation: the baseline beside `live_dflash`."""
+    no_spec = ["--speculative-algorithm", "NONE"]
+    yield from _half_server(half_models, tmp_path_factory, "live_ar", no_spec)

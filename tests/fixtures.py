@@ -111,3 +111,21 @@ def zero_final_norm(model_dir: Path, key: str) -> Path:
     weights[key] = torch.zeros_like(weights[key])
     save_file(weights, str(path), metadata={"format": "pt"})
     return model_dir
+
+
+def steer_token_zero(model_dir: Path, scale: float, seed: int = 2) -> Path:
+    """Point token 0's (tied) embedding/lm_head row along a random direction times `scale`.
+
+    With the target's final norm zeroed the target still always emits token 0, while a
+    draft sharing this lm_head picks token 0 only where its hidden state leans along that
+    direction: a pair whose acceptance is partial, and varies by position and context.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(str(path))
+    key = "model.embed_tokens.weight"
+    row = torch.randn(weights[key].shape[1], generator=torch.Generator().manual_seed(seed))
+    weights[key][0] = (scale * row / row.norm()).to(weights[key].dtype)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    return model_dir

@@ -2,6 +2,7 @@ import pytest
 from dflash_sglang.server.stats import (
     Snapshot,
     oldest_within_steps,
+    series,
     snapshot_from_samples,
     summarize,
 )
@@ -48,3 +49,18 @@ def test_window_picks_the_latest_snapshot_far_enough_back():
 def test_nothing_drafted_gives_no_ratios():
     empty = summarize(Snapshot(time=1.0), None)
     assert empty["tau"] is None and empty["acceptance_rate"] is None
+
+
+def test_series_rates_between_recorded_snapshots():
+    snaps = [
+        Snapshot(time=0.0),
+        Snapshot(time=1.0, drafts=2, accepted=2, generated_tokens=10),
+        Snapshot(time=2.0, drafts=4, accepted=6, generated_tokens=30),
+        Snapshot(time=5.0, drafts=4, accepted=6, generated_tokens=30),
+    ]
+    points = series(snaps, step_s=2.0)
+    assert [p["time"] for p in points] == [2.0, 5.0]
+    assert points[0]["output_tokens_per_s"] == pytest.approx(15.0)
+    assert points[0]["tau"] == pytest.approx(1 + 6 / 4)
+    assert points[1] == {"time": 5.0, "output_tokens_per_s": 0.0, "tau": None}
+    assert series(snaps[:1], step_s=1.0) == []

@@ -1,0 +1,1 @@
+"""Locust load tests and concurrency sweeps (installed as `dflash_sglang.loadtest`)."""
