@@ -1,0 +1,1 @@
+"""DFlash drafter training: model, blocks, data, training loop and CLI."""
