@@ -34,6 +34,7 @@ test: setup system-deps
 
 lint: setup
 	$(BIN)/ruff check dflash_sglang server loadtest tests bench
+	$(BIN)/ruff format --check dflash_sglang server loadtest tests bench
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)

@@ -19,9 +19,7 @@ def _load(pair: dict):
 
 
 def _plain_greedy(target, ids: list[int], n: int) -> list[int]:
-    out = target.generate(
-        torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
-    )
+    out = target.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 

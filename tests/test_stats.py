@@ -1,4 +1,5 @@
 import pytest
+
 from dflash_sglang.server.stats import (
     Snapshot,
     oldest_within_steps,

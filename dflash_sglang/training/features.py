@@ -1,0 +1,113 @@
+"""Target features computed once and cached: every epoch reuses them instead of re-running
+the target (on a CPU the target forward would cost more than the drafter's training step).
+
+Per sample we keep the concatenated outputs of `target_layer_ids` (HF `hidden_states[l+1]`)
+and the target's final normed hidden state, from which its logits (for distillation) are
+one matmul with the frozen lm_head away. Shards are safetensors files, written atomically,
+so an interrupted run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_sglang.reference import target_features
+
+SHARD = 64  # samples per shard file
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: torch.Tensor  # [S] prompt + response
+    prompt_len: int
+    features: torch.Tensor  # [S, K*H] target layer outputs
+    final_hidden: torch.Tensor  # [S, H] target's last normed hidden state
+
+
+def _shard_path(root: Path, index: int) -> Path:
+    return root / f"shard_{index:05d}.safetensors"
+
+
+@torch.no_grad()
+def compute(
+    target,
+    samples: list[dict],
+    layer_ids: list[int],
+    root: Path,
+    *,
+    max_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: Callable[[int], None] = lambda n: None,
+) -> int:
+    """Write missing shards for `samples` (JSONL rows from `data.regenerate`)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "meta.json").write_text(
+        json.dumps({"target_layer_ids": layer_ids, "samples": len(samples), "max_len": max_len})
+    )
+    written = 0
+    for index, start in enumerate(range(0, len(samples), SHARD)):
+        path = _shard_path(root, index)
+        chunk = samples[start : start + SHARD]
+        if path.exists():
+            progress(len(chunk))
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        for i, s in enumerate(chunk):
+            ids = torch.tensor((s["prompt_ids"] + s["response_ids"])[:max_len])
+            out = target(input_ids=ids[None], output_hidden_states=True)
+            tensors[f"{i}.input_ids"] = ids.to(torch.int32)
+            tensors[f"{i}.prompt_len"] = torch.tensor([len(s["prompt_ids"])], dtype=torch.int32)
+            tensors[f"{i}.features"] = target_features(out.hidden_states, layer_ids)[0].to(dtype)
+            tensors[f"{i}.final_hidden"] = out.hidden_states[-1][0].to(dtype)
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        written += 1
+        progress(len(chunk))
+    return written
+
+
+def check_layers(root: Path, layer_ids: list[int]) -> None:
+    meta = json.loads((root / "meta.json").read_text())
+    if list(meta["target_layer_ids"]) != list(layer_ids):
+        raise ValueError(
+            f"features in {root} tap target layers {meta['target_layer_ids']}, the drafter "
+            f"needs {layer_ids}: recompute them (--features-dir elsewhere)"
+        )
+
+
+def load(root: Path) -> list[Example]:
+    """Every cached example, memory-mapped by safetensors until touched."""
+    from safetensors import safe_open
+
+    examples = []
+    for path in sorted(root.glob("shard_*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            count = len({k.split(".")[0] for k in f.keys()})  # noqa: SIM118 - not a dict
+            for i in range(count):
+                examples.append(
+                    Example(
+                        input_ids=f.get_tensor(f"{i}.input_ids").long(),
+                        prompt_len=int(f.get_tensor(f"{i}.prompt_len")[0]),
+                        features=f.get_tensor(f"{i}.features"),
+                        final_hidden=f.get_tensor(f"{i}.final_hidden"),
+                    )
+                )
+    return examples
+
+
+def iter_batches(
+    examples: list[Example], batch: int, generator: torch.Generator
+) -> Iterator[list[Example]]:
+    """One epoch of shuffled batches."""
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    for i in range(0, len(order), batch):
+        yield [examples[j] for j in order[i : i + batch]]

@@ -1,0 +1,269 @@
+"""The training loop: random anchors over response tokens, weighted same-position CE.
+
+One code path for CPU and GPU (`device`, bf16 autocast). Deterministic from `seed`: the
+epoch order and each step's anchors derive from (seed, epoch/step), so a resumed run makes
+the same batches it would have made without the interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash_sglang.training import features as feature_cache
+from dflash_sglang.training.blocks import build_blocks, default_gamma, sample_anchors
+from dflash_sglang.training.model import DFlashDrafter, DraftConfig
+
+
+@dataclass
+class TrainConfig:
+    features_dir: str
+    out_dir: str
+    epochs: float = 6.0
+    batch_size: int = 4  # sequences per optimizer step
+    num_anchors: int = 32  # blocks per sequence per step
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay; None = the paper's value for the block size
+    distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = True
+    save_every: int = 100
+    max_steps: int | None = None  # stop early (the schedule still spans all epochs)
+
+
+@dataclass
+class Head:
+    """The target's frozen lm_head, optionally restricted to a draft vocabulary."""
+
+    weight: torch.Tensor  # [V', H]
+    vocab_ids: torch.Tensor | None  # [V'] full ids of the rows, None = full vocabulary
+
+    def to_local(self, labels: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary labels -> row indices; ids outside the draft vocabulary -> -1."""
+        if self.vocab_ids is None:
+            return labels
+        lookup = torch.full((int(self.vocab_ids.max()) + 2,), -1, dtype=torch.long)
+        lookup[self.vocab_ids] = torch.arange(len(self.vocab_ids))
+        return lookup[labels.clamp(max=len(lookup) - 1)]
+
+
+def cosine_lr(step: int, total: int, warmup: int) -> float:
+    """Multiplier: linear warmup, then cosine to zero."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def block_loss(
+    drafter: DFlashDrafter,
+    embed: torch.nn.Embedding,
+    head: Head,
+    example: feature_cache.Example,
+    anchors: torch.Tensor,
+    gamma: float,
+    distill: float,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE (and optional KL to the target) of one sequence's blocks."""
+    c = drafter.config
+    loss_mask = torch.zeros(len(example.input_ids))
+    loss_mask[example.prompt_len :] = 1
+    blocks = build_blocks(
+        example.input_ids,
+        loss_mask,
+        anchors,
+        block_size=c.block_size,
+        mask_token_id=c.mask_token_id,
+        gamma=gamma,
+    )
+    device = head.weight.device
+    hidden = drafter(
+        embed(blocks.input_ids.to(device))[None],
+        example.features.to(device, torch.float32)[None],
+        blocks.position_ids.to(device)[None],
+        blocks.attention_mask.to(device)[None, None],
+    )[0]
+    labels = head.to_local(blocks.labels.clamp(min=0))
+    keep = (blocks.weights > 0) & (labels >= 0)
+    weights = blocks.weights[keep].to(device)
+    logits = hidden[keep.to(device)] @ head.weight.T
+    ce = F.cross_entropy(logits.float(), labels[keep].to(device), reduction="none")
+    loss = (ce * weights).sum() / (weights.sum() + 1e-6)
+    if distill > 0:
+        # The target's distribution for the token at position p comes from position p - 1.
+        positions = (blocks.position_ids[len(example.input_ids) :] - 1)[keep]
+        teacher = example.final_hidden[positions].to(device, torch.float32) @ head.weight.T
+        kl = F.kl_div(
+            F.log_softmax(logits.float(), -1),
+            F.log_softmax(teacher.float(), -1),
+            log_target=True,
+            reduction="none",
+        ).sum(-1)
+        loss = (1 - distill) * loss + distill * (kl * weights).sum() / (weights.sum() + 1e-6)
+    slot1 = keep & (torch.arange(len(keep)) % c.block_size == 1)
+    correct = (logits.argmax(-1) == labels[keep].to(device))[slot1[keep].to(device)]
+    return loss, {"slot1_correct": int(correct.sum()), "slot1_total": int(correct.numel())}
+
+
+def _save(path: Path, **state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def train(
+    cfg: TrainConfig,
+    drafter: DFlashDrafter,
+    embed: torch.nn.Embedding,
+    head: Head,
+    log=print,
+) -> Path:
+    """Train `drafter` on the cached features; resumes from `out_dir/checkpoint.pt`."""
+    from tqdm import tqdm
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    examples = feature_cache.load(Path(cfg.features_dir))
+    feature_cache.check_layers(Path(cfg.features_dir), list(drafter.config.target_layer_ids))
+    if not examples:
+        raise ValueError(f"no cached features in {cfg.features_dir}: run `features` first")
+    gamma = cfg.gamma or default_gamma(drafter.config.block_size)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total = max(1, int(cfg.epochs * steps_per_epoch))
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    drafter.to(cfg.device).train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
+    step = 0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step = state["step"]
+        log(f"resumed at step {step}/{total}")
+    end = min(total, cfg.max_steps if cfg.max_steps is not None else total)
+    autocast = torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.bf16)
+    bar = tqdm(total=end, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    with (out / "train_log.jsonl").open("a") as log_file:
+        while step < end:
+            epoch, offset = divmod(step, steps_per_epoch)
+            order = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+            batches = list(feature_cache.iter_batches(examples, cfg.batch_size, order))
+            for batch in batches[offset:]:
+                if step >= end:
+                    break
+                started = time.monotonic()
+                anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+                opt.zero_grad(set_to_none=True)
+                total_loss, stats, tokens = 0.0, {"slot1_correct": 0, "slot1_total": 0}, 0
+                for example in batch:
+                    loss_mask = torch.zeros(len(example.input_ids))
+                    loss_mask[example.prompt_len :] = 1
+                    anchors = sample_anchors(loss_mask, cfg.num_anchors, anchor_gen)
+                    if len(anchors) == 0:
+                        continue
+                    with autocast:
+                        loss, s = block_loss(
+                            drafter, embed, head, example, anchors, gamma, cfg.distill
+                        )
+                    (loss / len(batch)).backward()
+                    total_loss += loss.item() / len(batch)
+                    stats = {k: stats[k] + s[k] for k in stats}
+                    tokens += len(anchors) * drafter.config.block_size
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                sched.step()
+                step += 1
+                seconds = time.monotonic() - started
+                acc = stats["slot1_correct"] / max(1, stats["slot1_total"])
+                row = {
+                    "step": step,
+                    "epoch": step / steps_per_epoch,
+                    "loss": total_loss,
+                    "slot1_acc": acc,
+                    "lr": sched.get_last_lr()[0],
+                    "block_tokens_per_s": tokens / seconds,
+                }
+                log_file.write(json.dumps(row) + "\n")
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{total_loss:.3f}", acc1=f"{acc:.2f}", tok_s=f"{tokens / seconds:.0f}"
+                )
+                if step % cfg.save_every == 0 or step == end:
+                    log_file.flush()
+                    _save(
+                        ckpt,
+                        model=drafter.state_dict(),
+                        optimizer=opt.state_dict(),
+                        scheduler=sched.state_dict(),
+                        step=step,
+                        config=asdict(cfg),
+                        draft_config=drafter.config.to_json(),
+                    )
+    bar.close()
+    return drafter.save(out / "drafter")
+
+
+def draft_config_for(
+    target_config: dict,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+) -> DraftConfig:
+    """A drafter shaped like the target's own layers (so they can initialise it)."""
+    from sglang.srt.speculative.dflash_utils import build_target_layer_ids
+
+    n_target = int(target_config["num_hidden_layers"])
+    hidden = int(target_config["hidden_size"])
+    heads = int(target_config["num_attention_heads"])
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=int(target_config["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(target_config.get("num_key_value_heads", heads)),
+        head_dim=int(target_config.get("head_dim") or hidden // heads),
+        vocab_size=int(target_config["vocab_size"]),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(n_target, num_layers)),
+        num_target_layers=n_target,
+        rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(target_config.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
+    )
+
+
+def init_from_target(drafter: DFlashDrafter, target, layer_ids: list[int]) -> None:
+    """Copy target decoder layers `layer_ids` into the draft layers (q/k norms stay at 1)."""
+    target_layers = target.model.layers
+    with torch.no_grad():
+        for draft_layer, i in zip(drafter.layers, layer_ids, strict=True):
+            source = target_layers[i].state_dict()
+            own = draft_layer.state_dict()
+            draft_layer.load_state_dict({k: source.get(k, v) for k, v in own.items()})
+
+
+def new_drafter(config: DraftConfig, seed: int) -> DFlashDrafter:
+    """Fresh weights: normal(0, 0.02) linears, unit norms (as SpecForge's post_init)."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return drafter

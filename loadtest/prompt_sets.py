@@ -1,0 +1,40 @@
+"""The prompts a sweep sends: real sets from `dflash_sglang.datasets`, shuffled by a seed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from itertools import chain, zip_longest
+
+from dflash_sglang import datasets
+
+SHAREGPT_POOL = 2000  # the first conversations only: enough variety, loads in ~0.2 s
+LOADERS: dict[str, Callable[[], list[str]]] = {
+    "mt_bench": datasets.mt_bench,
+    "humaneval": datasets.humaneval,
+    "sharegpt": lambda: datasets.sharegpt(SHAREGPT_POOL),
+}
+CHOICES = (*LOADERS, "mixed")
+
+
+def load_prompts(dataset: str, *, seed: int, max_chars: int) -> list[str]:
+    """Prompts of at most `max_chars`, shuffled; `mixed` alternates the three sets."""
+    if dataset not in CHOICES:
+        raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(CHOICES)}")
+    names = list(LOADERS) if dataset == "mixed" else [dataset]
+    rng = random.Random(seed)
+    pools = []
+    for name in names:
+        pool = [p for p in LOADERS[name]() if len(p) <= max_chars]
+        rng.shuffle(pool)
+        pools.append(pool)
+    prompts = [p for p in chain.from_iterable(zip_longest(*pools)) if p is not None]
+    if not prompts:
+        raise ValueError(f"no {dataset} prompt has at most {max_chars} characters")
+    return prompts
+
+
+def level_prompts(prompts: list[str], offset: int, count: int) -> list[str]:
+    """`count` prompts from `offset` on, wrapping: each level gets fresh prompts while the
+    pool lasts, and both servers of a level get the same ones in the same order."""
+    return [prompts[(offset + i) % len(prompts)] for i in range(count)]

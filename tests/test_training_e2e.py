@@ -1,0 +1,127 @@
+"""The training CLI end to end on a tiny random target: generate through a real server, cache
+features, train (resumably, deterministically), export, and serve the result in DFLASH_X."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_sglang.reference import ReferenceDecoder
+from dflash_sglang.training.__main__ import main
+from dflash_sglang.training.data import read_samples
+from dflash_sglang.training.model import DFlashDrafter
+from tests.server import Server
+
+pytestmark = pytest.mark.server
+PROMPTS, NEW = 16, 40
+SHAPE = ["--num-layers", "2", "--block-size", "4", "--target-layer-ids", "0,2"]
+TRAIN = ["--batch-size", "4", "--num-anchors", "32", "--lr", "5e-3", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def run(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = str(models["target"])
+    data = root / "data.jsonl"
+    gen = ["generate", "--target", target, "--out", str(data), "--num-prompts", str(PROMPTS)]
+    gen += ["--max-new-tokens", str(NEW), "--max-prompt-tokens", "48", "--batch-size", "8"]
+    assert main([*gen, "--threads", "1"]) == 0
+    feats = root / "features"
+    assert main(["features", "--target", target, "--data", str(data),
+                 "--features-dir", str(feats), "--dtype", "float32", *SHAPE]) == 0  # fmt: skip
+    return {"root": root, "target": target, "data": data, "features": feats}
+
+
+def _train(run, out, *extra):
+    args = ["train", "--target", run["target"], "--features-dir", str(run["features"])]
+    return main([*args, "--out", str(out), *SHAPE, *TRAIN, "--epochs", "150", *extra])
+
+
+def _tau(target_dir, drafter_dir, samples) -> float:
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir))
+    lengths = []
+    for s in samples:
+        lengths += decoder.generate(s["prompt_ids"], NEW).acceptance_lengths
+    return sum(lengths) / len(lengths)
+
+
+def test_generated_data_is_the_targets_greedy_output(run):
+    samples = read_samples(run["data"])
+    assert len(samples) == PROMPTS and len({s["id"] for s in samples}) == PROMPTS
+    target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
+    s = samples[0]
+    assert all(len(x["prompt_ids"]) <= 48 for x in samples)
+    plain = target.generate(torch.tensor([s["prompt_ids"]]), max_new_tokens=NEW, do_sample=False)
+    assert plain[0, len(s["prompt_ids"]) :].tolist()[:8] == s["response_ids"][:8]
+
+
+def test_training_raises_tau_and_the_server_agrees(run, models, tmp_path):
+    out = run["root"] / "full"
+    assert _train(run, out) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"]
+    samples = read_samples(run["data"])[:6]
+    tau = _tau(run["target"], out / "drafter", samples)
+    assert tau > 1.3, f"τ {tau:.2f} on its own training prompts"
+
+    # The exported checkpoint loads in SGLang (upstream DFlashDraftModel under DFLASH_X),
+    # which accepts exactly what the reference loop accepts.
+    server = Server(
+        [
+            "--model-path",
+            run["target"],
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "4096",
+            "--speculative-draft-model-path",
+            str(out / "drafter"),
+        ],  # fmt: skip
+        tmp_path / "server.log",
+    )
+    try:
+        target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
+        decoder = ReferenceDecoder(target, DFlashDrafter.load(out / "drafter"))
+        for s in samples:
+            meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
+            ref = decoder.generate(s["prompt_ids"], NEW)
+            assert meta["meta_info"]["spec_verify_ct"] == len(ref.acceptance_lengths)
+            assert meta["output_ids"] == ref.tokens
+    finally:
+        server.stop()
+
+
+def test_resumed_training_equals_uninterrupted(run):
+    straight, resumed = run["root"] / "straight", run["root"] / "resumed"
+    assert _train(run, straight, "--max-steps", "12", "--save-every", "4") == 0
+    assert _train(run, resumed, "--max-steps", "5", "--save-every", "4") == 0
+    assert _train(run, resumed, "--max-steps", "12", "--save-every", "4") == 0
+    a = torch.load(straight / "checkpoint.pt", weights_only=False)
+    b = torch.load(resumed / "checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 12
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+
+
+def test_export_round_trip(run, tmp_path):
+    ckpt = run["root"] / "straight" / "checkpoint.pt"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 0
+    exported = DFlashDrafter.load(tmp_path / "x")
+    state = torch.load(ckpt, weights_only=False)["model"]
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, state[key].to(torch.bfloat16).float()), key
+
+
+def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
+    assert main(["train", "--features-dir", str(tmp_path / "nope"), "--out", "x"]) == 2
+    assert "--features-dir" in capsys.readouterr().err
+    args = ["evaluate", "--target", run["target"], "--drafter", str(tmp_path)]
+    assert main(args) == 2
+    assert "--drafter" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--out", "x", "--num-prompts", "0"])
+    assert exc.value.code == 2
