@@ -25,6 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import (
@@ -96,7 +97,9 @@ class DFlashXWorker(DFlashWorkerV2):
         self._generator: torch.Generator | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self.metrics: PrometheusMetrics | None = None
-        if server_args.enable_metrics:
+        # One exporter per DP group, as SGLang's own scheduler metrics: counters from every
+        # TP rank would be summed across processes and multiply by the TP size.
+        if server_args.enable_metrics and get_parallel().attn_tp_rank == 0:
             self.metrics = PrometheusMetrics(max_verify_width=int(self.block_size))
             self.step_observers.append(self._export_step)
         logger.info(
