@@ -51,6 +51,8 @@ def locust_command(plan: LevelPlan, prompts_file: Path, results_file: Path) -> l
 
 def run_level(plan: LevelPlan, prompts_file: Path, results_file: Path) -> list[dict[str, Any]]:
     """The level's per-request records (one JSON line each, written by the locust users)."""
+    # Locust runs in another directory: hand it absolute paths.
+    prompts_file, results_file = prompts_file.resolve(), results_file.resolve()
     results_file.unlink(missing_ok=True)
     log_file = results_file.with_suffix(".log")
     with log_file.open("w") as log:

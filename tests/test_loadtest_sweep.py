@@ -217,14 +217,15 @@ def test_baseline_must_be_another_server(capsys):
 @pytest.mark.server
 def test_sweep_writes_csv_json_and_plots(live_dflash, live_ar, tmp_path):
     out = tmp_path / "sweep"
+    # The installed module, from another directory, with a relative --out.
     cmd = [
-        sys.executable, "-m", "loadtest.sweep",
+        sys.executable, "-m", "dflash_sglang.loadtest.sweep",
         "--url", live_dflash.url, "--baseline-url", live_ar.url,
         "--concurrency", "1,2", "--requests-per-level", "4", "--max-tokens", "16",
         "--ignore-eos", "--extra-body", '{"skip_special_tokens": false}',
-        "--max-seconds-per-level", "120", "--out", str(out),
+        "--max-seconds-per-level", "120", "--out", "sweep",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     for name in ("sweep", "throughput", "tpot", "ttft", "tau"):
