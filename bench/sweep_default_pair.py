@@ -5,7 +5,8 @@
 Starts both servers on loopback through our launcher (bf16, CPU) and runs
 `python -m loadtest.sweep` against them, DFLASH_X and the baseline alternating per level.
 Without --draft it uses the bundled default drafter, else a random one (which measures only
-the overhead of speculation).
+the overhead of speculation). Ends with a headless-Chromium screenshot of the DFLASH_X
+server's `/dflash/` status page (`OUT/status_page.png`), showing the whole sweep.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.browser import screenshot  # noqa: E402
+
 MASK_TOKEN_ID = 16  # SmolLM2's unused `<empty_output>` special token
 
 
@@ -50,6 +55,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="dflash_sweep_"))
     draft = Path(args.draft) if args.draft else default_or_random_draft(target, work)
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
+    common += ["--served-model-name", "SmolLM2-135M-Instruct"]
     dflash = Server([*common, "--speculative-draft-model-path", str(draft)],
                     work / "dflash.log", threads=args.threads)  # fmt: skip
     try:
@@ -62,7 +68,9 @@ def main() -> int:
                      "--requests-per-level", args.requests_per_level,
                      "--max-tokens", str(args.max_tokens), "--ignore-eos",
                      "--dataset", "mixed", "--out", args.out]  # fmt: skip
-            return subprocess.call(sweep, cwd=ROOT)
+            code = subprocess.call(sweep, cwd=ROOT)
+            screenshot(dflash.url + "/dflash/", Path(args.out) / "status_page.png")
+            return code
         finally:
             ar.stop()
     finally:

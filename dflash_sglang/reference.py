@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_sglang.draft_vocab import draft_argmax
 from dflash_sglang.training.model import DFlashDrafter
 
 
@@ -67,7 +68,7 @@ class ReferenceDecoder:
         bs = len(block)
         positions = torch.arange(start + bs)[None]
         hidden = self.drafter(self.embed(block)[None], context[None], positions)
-        return self.lm_head(hidden[0, 1:]).argmax(-1)
+        return draft_argmax(hidden[0, 1:], self.lm_head.weight, self.drafter.draft_vocab_ids)
 
     @torch.no_grad()
     def generate(

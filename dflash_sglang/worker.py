@@ -47,7 +47,7 @@ from sglang.srt.speculative.spec_utils import (
 )
 from sglang.srt.utils import is_cpu
 
-from dflash_sglang import acceptance, kv_injection
+from dflash_sglang import acceptance, draft_vocab, kv_injection
 from dflash_sglang.block import build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
 
@@ -81,6 +81,11 @@ def _keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
 
 class DFlashXWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        # Read before upstream init, which may fold a full-vocabulary head into a CUDA graph.
+        self._draft_vocab = draft_vocab.load_ids(server_args.speculative_draft_model_path)
+        if self._draft_vocab is not None and get_parallel().tp_size > 1:
+            logger.warning("draft vocabulary ignored under TP > 1 (the lm_head is sharded)")
+            self._draft_vocab = None
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         if self.selector is not None or self.lilicorr is not None or self._is_domino:
             raise ValueError(
@@ -268,6 +273,11 @@ class DFlashXWorker(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if self._draft_sampler is not None and draft_out.can_run_graph:
                 proposals = self._draft_sampler.out[: bs * (width - 1)].view(bs, width - 1)
+            elif self._draft_vocab is not None:
+                hidden = draft_out.logits_output.hidden_states.view(bs, width, -1)
+                proposals = draft_vocab.select(
+                    hidden[:, 1:, :], *self._restricted_head(target_model)
+                )
             else:
                 hidden = draft_out.logits_output.hidden_states.view(bs, width, -1)
                 proposals = self._greedy_sample_from_vocab_parallel_head(
@@ -275,6 +285,17 @@ class DFlashXWorker(DFlashWorkerV2):
                     lm_head=unwrap_lora_layer(target_model.lm_head),
                 ).view(bs, width - 1)
         return torch.cat([block_ids[:, :1], proposals.to(torch.int64)], dim=1)
+
+    def _maybe_build_draft_sampler(self):
+        return None if self._draft_vocab is not None else super()._maybe_build_draft_sampler()
+
+    def _restricted_head(self, target_model) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lm_head rows of the draft vocabulary, their ids), built once on first use."""
+        if not hasattr(self, "_draft_head"):
+            weight = unwrap_lora_layer(target_model.lm_head).weight
+            self._draft_vocab = self._draft_vocab.to(weight.device)
+            self._draft_head = weight[self._draft_vocab]
+        return self._draft_head, self._draft_vocab
 
     def verify(self, batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan):
         """Target forward over the chain, capturing the hidden states KV injection needs."""

@@ -36,6 +36,14 @@ class Snapshot:
     generated_tokens: float = 0.0
     verify_width: float | None = None
 
+    def tokens_since(self, old: Snapshot) -> float:
+        """Output tokens after `old`. SGLang's generation counter moves only when a request
+        finishes; each speculative step emits accepted + 1 tokens as it happens, so with
+        speculation on the step counters give a rate that does not jump at request ends."""
+        if self.drafts > 0:
+            return (self.drafts + self.accepted) - (old.drafts + old.accepted)
+        return self.generated_tokens - old.generated_tokens
+
 
 def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) -> Snapshot:
     """Fold Prometheus samples (name, labels, value) into one snapshot; labels are summed."""
@@ -81,9 +89,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         ],
         "output_tokens": new.generated_tokens - base.generated_tokens,
         "output_tokens_per_s": (
-            (new.generated_tokens - base.generated_tokens) / seconds
-            if old is not None and seconds > 0
-            else None
+            new.tokens_since(base) / seconds if old is not None and seconds > 0 else None
         ),
         "seconds": seconds if old is not None else None,
         "verify_width": new.verify_width,
@@ -114,7 +120,7 @@ def series(snapshots: list[Snapshot], step_s: float) -> list[dict]:
         points.append(
             {
                 "time": snap.time,
-                "output_tokens_per_s": (snap.generated_tokens - start.generated_tokens) / seconds,
+                "output_tokens_per_s": snap.tokens_since(start) / seconds,
                 "tau": 1.0 + (snap.accepted - start.accepted) / drafts if drafts else None,
             }
         )

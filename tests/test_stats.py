@@ -35,7 +35,8 @@ def test_since_start_and_window():
     assert window["request_steps"] == 20
     assert window["tau"] == pytest.approx(1 + 10 / 20)
     assert window["acceptance_by_position"] == pytest.approx([8 / 20, 2 / 20, 0.0])
-    assert window["output_tokens_per_s"] == pytest.approx(6.0)
+    # With speculation, tokens/s counts what steps emit (drafts + accepted), not finishes.
+    assert window["output_tokens_per_s"] == pytest.approx((20 + 10) / 10)
 
 
 def test_window_picks_the_latest_snapshot_far_enough_back():
@@ -61,7 +62,12 @@ def test_series_rates_between_recorded_snapshots():
     ]
     points = series(snaps, step_s=2.0)
     assert [p["time"] for p in points] == [2.0, 5.0]
-    assert points[0]["output_tokens_per_s"] == pytest.approx(15.0)
+    assert points[0]["output_tokens_per_s"] == pytest.approx((4 + 6) / 2)
     assert points[0]["tau"] == pytest.approx(1 + 6 / 4)
     assert points[1] == {"time": 5.0, "output_tokens_per_s": 0.0, "tau": None}
     assert series(snaps[:1], step_s=1.0) == []
+
+
+def test_without_speculation_tokens_come_from_the_generation_counter():
+    old, new = Snapshot(time=0.0, generated_tokens=5), Snapshot(time=4.0, generated_tokens=25)
+    assert summarize(new, old)["output_tokens_per_s"] == pytest.approx(5.0)

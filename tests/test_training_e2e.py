@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_sglang.draft_vocab import most_frequent
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.__main__ import main
 from dflash_sglang.training.data import read_samples
@@ -49,6 +50,23 @@ def _tau(target_dir, drafter_dir, samples) -> float:
     return sum(lengths) / len(lengths)
 
 
+def _serve_and_compare(run, drafter_dir, samples, log_path) -> None:
+    """Serve `drafter_dir` under DFLASH_X (SGLang's upstream DFlashDraftModel loads it) and
+    check the server accepts exactly what the reference loop accepts, request by request."""
+    args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
+    server = Server([*args, "--speculative-draft-model-path", str(drafter_dir)], log_path)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
+        decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir))
+        for s in samples:
+            meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
+            ref = decoder.generate(s["prompt_ids"], NEW)
+            assert meta["meta_info"]["spec_verify_ct"] == len(ref.acceptance_lengths)
+            assert meta["output_ids"] == ref.tokens
+    finally:
+        server.stop()
+
+
 def test_generated_data_is_the_targets_greedy_output(run):
     samples = read_samples(run["data"])
     assert len(samples) == PROMPTS and len({s["id"] for s in samples}) == PROMPTS
@@ -68,31 +86,7 @@ def test_training_raises_tau_and_the_server_agrees(run, models, tmp_path):
     tau = _tau(run["target"], out / "drafter", samples)
     assert tau > 1.3, f"τ {tau:.2f} on its own training prompts"
 
-    # The exported checkpoint loads in SGLang (upstream DFlashDraftModel under DFLASH_X),
-    # which accepts exactly what the reference loop accepts.
-    server = Server(
-        [
-            "--model-path",
-            run["target"],
-            "--dtype",
-            "float32",
-            "--max-total-tokens",
-            "4096",
-            "--speculative-draft-model-path",
-            str(out / "drafter"),
-        ],  # fmt: skip
-        tmp_path / "server.log",
-    )
-    try:
-        target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
-        decoder = ReferenceDecoder(target, DFlashDrafter.load(out / "drafter"))
-        for s in samples:
-            meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
-            ref = decoder.generate(s["prompt_ids"], NEW)
-            assert meta["meta_info"]["spec_verify_ct"] == len(ref.acceptance_lengths)
-            assert meta["output_ids"] == ref.tokens
-    finally:
-        server.stop()
+    _serve_and_compare(run, out / "drafter", samples, tmp_path / "server.log")
 
 
 def test_resumed_training_equals_uninterrupted(run):
@@ -125,3 +119,14 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--out", "x", "--num-prompts", "0"])
     assert exc.value.code == 2
+
+
+def test_restricted_vocabulary_drafter_serves_in_dflash_x(run, tmp_path):
+    out = run["root"] / "vocab"
+    assert _train(run, out, "--max-steps", "60", "--draft-vocab-size", "64") == 0
+    drafter = DFlashDrafter.load(out / "drafter")
+    assert drafter.draft_vocab_ids is not None and len(drafter.draft_vocab_ids) == 64
+    responses = [s["response_ids"] for s in read_samples(run["data"])]
+    assert drafter.draft_vocab_ids.tolist() == most_frequent(responses, 64).tolist()
+
+    _serve_and_compare(run, out / "drafter", read_samples(run["data"])[:4], tmp_path / "s.log")

@@ -144,26 +144,44 @@ def cmd_features(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
+    import dataclasses
+
     import torch
 
-    from dflash_sglang.training import train
+    from dflash_sglang import draft_vocab
+    from dflash_sglang.training import features, train
     from dflash_sglang.training.model import DFlashDrafter
 
     torch.set_num_threads(a.threads)
-    _existing_dir("--features-dir", a.features_dir)
+    features_dir = _existing_dir("--features-dir", a.features_dir)
     target_dir = _target_path(a.target)
     target, tokenizer = _load_target(target_dir, "float32")
     if a.init_drafter:
         drafter = DFlashDrafter.load(_existing_dir("--init-drafter", a.init_drafter))
     else:
-        drafter = train.new_drafter(_draft_config(a, target_dir, tokenizer), a.seed)
+        config = _draft_config(a, target_dir, tokenizer)
+        if a.draft_vocab_size:
+            config = dataclasses.replace(config, draft_vocab_size=a.draft_vocab_size)
+        drafter = train.new_drafter(config, a.seed)
         if a.init_from_target:
             ids = [int(x) for x in a.init_from_target.split(",")]
             if len(ids) != drafter.config.num_hidden_layers:
                 raise CliError(f"--init-from-target needs {a.num_layers} layer ids, got {ids}")
             train.init_from_target(drafter, target, ids)
+    try:
+        features.check_layers(features_dir, list(drafter.config.target_layer_ids))
+    except ValueError as e:
+        raise CliError(f"--features-dir: {e}") from e
+    examples = features.load(features_dir)
+    if drafter.config.draft_vocab_size and not a.init_drafter:
+        responses = (e.input_ids[e.prompt_len :].tolist() for e in examples)
+        drafter.draft_vocab_ids.copy_(
+            draft_vocab.most_frequent(responses, drafter.config.draft_vocab_size)
+        )
     embed = target.get_input_embeddings()
-    head = train.Head(weight=target.get_output_embeddings().weight.detach(), vocab_ids=None)
+    head = train.Head(
+        target.get_output_embeddings().weight.detach(), drafter.draft_vocab_ids, a.device
+    )
     cfg = train.TrainConfig(
         features_dir=a.features_dir,
         out_dir=a.out,
@@ -178,7 +196,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         save_every=a.save_every,
         max_steps=a.max_steps,
     )
-    out = train.train(cfg, drafter.to(a.device), embed.to(a.device), head, log=print)
+    out = train.train(cfg, drafter.to(a.device), embed.to(a.device), head, examples)
     print(f"drafter written to {out}")
 
 
@@ -283,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int)
     t.add_argument("--init-from-target", help="comma list of target layers to copy")
     t.add_argument("--init-drafter", help="start from this z-lab drafter dir")
+    t.add_argument(
+        "--draft-vocab-size", type=int, help="propose among the N most frequent response tokens"
+    )
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="τ on held-out sets")

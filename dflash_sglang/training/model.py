@@ -34,6 +34,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    draft_vocab_size: int | None = None  # restricted draft vocabulary (see draft_vocab.py)
 
     @classmethod
     def from_json(cls, config: dict) -> DraftConfig:
@@ -55,9 +56,16 @@ class DraftConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(config.get("rope_theta", 10000.0)),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            draft_vocab_size=dflash.get("draft_vocab_size"),
         )
 
     def to_json(self) -> dict:
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        if self.draft_vocab_size:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -81,10 +89,7 @@ class DraftConfig:
             "torch_dtype": "bfloat16",
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash,
         }
 
 
@@ -174,6 +179,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.draft_vocab_ids: torch.Tensor | None = None
+        if config.draft_vocab_size:
+            self.register_buffer(
+                "draft_vocab_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long)
+            )
 
     def forward(
         self,
@@ -206,7 +216,10 @@ class DFlashDrafter(nn.Module):
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.config.to_json(), indent=1))
-        weights = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        weights = {
+            k: (v.detach().to(dtype) if v.is_floating_point() else v).contiguous()
+            for k, v in self.state_dict().items()
+        }
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
 

@@ -41,20 +41,24 @@ class TrainConfig:
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
 
 
-@dataclass
 class Head:
-    """The target's frozen lm_head, optionally restricted to a draft vocabulary."""
+    """The target's frozen lm_head, optionally restricted to the drafter's vocabulary."""
 
-    weight: torch.Tensor  # [V', H]
-    vocab_ids: torch.Tensor | None  # [V'] full ids of the rows, None = full vocabulary
+    def __init__(
+        self, weight: torch.Tensor, vocab_ids: torch.Tensor | None, device: str = "cpu"
+    ) -> None:
+        vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
+        self.weight = (weight if vocab_ids is None else weight[vocab_ids.to(weight.device)]).to(
+            device
+        )
+        self._lookup = None  # labels stay on the CPU, where blocks are built
+        if vocab_ids is not None:
+            self._lookup = torch.full((weight.shape[0],), -1, dtype=torch.long)
+            self._lookup[vocab_ids] = torch.arange(len(vocab_ids))
 
     def to_local(self, labels: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary labels -> row indices; ids outside the draft vocabulary -> -1."""
-        if self.vocab_ids is None:
-            return labels
-        lookup = torch.full((int(self.vocab_ids.max()) + 2,), -1, dtype=torch.long)
-        lookup[self.vocab_ids] = torch.arange(len(self.vocab_ids))
-        return lookup[labels.clamp(max=len(lookup) - 1)]
+        return labels if self._lookup is None else self._lookup[labels]
 
 
 def cosine_lr(step: int, total: int, warmup: int) -> float:
@@ -126,15 +130,14 @@ def train(
     drafter: DFlashDrafter,
     embed: torch.nn.Embedding,
     head: Head,
+    examples: list[feature_cache.Example],
     log=print,
 ) -> Path:
-    """Train `drafter` on the cached features; resumes from `out_dir/checkpoint.pt`."""
+    """Train `drafter` on cached features; resumes from `out_dir/checkpoint.pt`."""
     from tqdm import tqdm
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    examples = feature_cache.load(Path(cfg.features_dir))
-    feature_cache.check_layers(Path(cfg.features_dir), list(drafter.config.target_layer_ids))
     if not examples:
         raise ValueError(f"no cached features in {cfg.features_dir}: run `features` first")
     gamma = cfg.gamma or default_gamma(drafter.config.block_size)

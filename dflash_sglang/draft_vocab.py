@@ -1,0 +1,59 @@
+"""A restricted draft vocabulary: the drafter proposes only among the target's most frequent
+tokens, mapped back to full ids.
+
+On a small target the output layer dominates a draft pass (SmolLM2: 12 of 21 ms are the
+49k-row lm_head over 15 slots), and a proposal outside the frequent set is rarely accepted.
+The ids live in the drafter's checkpoint as `draft_vocab_ids` with
+`dflash_config.draft_vocab_size`; loaders that do not know them (SGLang's upstream DFLASH)
+ignore the extra tensor and use the full vocabulary, and drafts without one (every z-lab
+checkpoint) run on the full vocabulary here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+KEY = "draft_vocab_ids"
+
+
+def most_frequent(token_lists: Iterable[Iterable[int]], size: int) -> torch.Tensor:
+    """The `size` most frequent ids (ties by id), sorted ascending."""
+    counts: Counter[int] = Counter()
+    for tokens in token_lists:
+        counts.update(tokens)
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
+    return torch.tensor(sorted(t for t, _ in top), dtype=torch.long)
+
+
+def draft_argmax(
+    hidden: torch.Tensor, head_weight: torch.Tensor, vocab_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Greedy proposals in full-vocabulary ids, from the full lm_head weight."""
+    if vocab_ids is None:
+        return (hidden @ head_weight.T).argmax(-1)
+    return select(hidden, head_weight[vocab_ids], vocab_ids)
+
+
+def select(hidden: torch.Tensor, vocab_head: torch.Tensor, vocab_ids: torch.Tensor):
+    """Greedy proposals from the lm_head rows of the draft vocabulary (`vocab_head`)."""
+    return vocab_ids[(hidden @ vocab_head.T).argmax(-1)]
+
+
+def load_ids(draft_dir: str | Path) -> torch.Tensor | None:
+    """The checkpoint's draft vocabulary, or None when it has none."""
+    draft_dir = Path(draft_dir)
+    config = json.loads((draft_dir / "config.json").read_text())
+    if not (config.get("dflash_config") or {}).get("draft_vocab_size"):
+        return None
+    from safetensors import safe_open
+
+    for file in sorted(draft_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if KEY in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                return f.get_tensor(KEY).long()
+    raise ValueError(f"{draft_dir}: config sets draft_vocab_size but no {KEY} tensor exists")

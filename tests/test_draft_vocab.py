@@ -1,0 +1,30 @@
+"""The restricted draft vocabulary: frequency ranking and proposals mapped to full ids."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_sglang.draft_vocab import draft_argmax, most_frequent, select
+
+
+def test_most_frequent_ranks_by_count_then_id():
+    ids = most_frequent([[5, 5, 5, 2, 2, 9], [9, 7, 2]], 2)
+    assert ids.tolist() == [2, 5]  # 2 and 5 three times each, 9 twice
+    assert most_frequent([[1]], 10).tolist() == [1]
+
+
+def test_proposals_come_from_the_vocabulary_in_full_ids():
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    hidden = torch.randn(3, 4, 8)
+    full = draft_argmax(hidden, weight, None)
+    assert torch.equal(full, (hidden @ weight.T).argmax(-1))
+    vocab = torch.tensor([3, 17, 42])
+    restricted = draft_argmax(hidden, weight, vocab)
+    assert set(restricted.flatten().tolist()) <= {3, 17, 42}
+    expected = vocab[(hidden @ weight[vocab].T).argmax(-1)]
+    assert torch.equal(restricted, expected)
+    assert torch.equal(select(hidden, weight[vocab], vocab), expected)
+    # The full vocabulary's winner is kept whenever it is in the draft vocabulary.
+    everything = torch.arange(50)
+    assert torch.equal(draft_argmax(hidden, weight, everything), full)
