@@ -89,8 +89,12 @@ def cmd_generate(a: argparse.Namespace) -> None:
     if a.server_url:
         run(a.server_url.rstrip("/"))
     else:
+        import signal
+
         from dflash_sglang.managed_server import Server
 
+        # A SIGTERM must still stop the server we started (it runs in its own session).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         args = ["--model-path", str(target), "--speculative-algorithm", "NONE"]
         args += ["--max-total-tokens", str(a.max_total_tokens), "--disable-radix-cache"]
         server = Server(args, out.with_suffix(".server.log"), threads=a.threads)
@@ -271,7 +275,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--server-url", help="use this running server instead of starting one")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-tokens", type=int, default=256)
-    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--batch-size", type=int, default=32, help="requests in flight")
     g.add_argument("--max-total-tokens", type=int, default=32768)
     g.set_defaults(func=cmd_generate)
 

@@ -12,6 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,42 +112,51 @@ def regenerate(
     batch_size: int,
     progress: Callable[[int, int], None] = lambda samples, tokens: None,
 ) -> int:
-    """Greedy target responses for `prompts` not yet in `out`; returns how many were added."""
+    """Greedy target responses for `prompts` not yet in `out`; returns how many were added.
+
+    `batch_size` requests stay in flight, one prompt each, so SGLang's running batch stays
+    full (a whole-batch request would idle while its longest response finishes), and each
+    sample is appended the moment it is done.
+    """
     done = done_ids(out)
     todo = [p for p in prompts if p.id not in done]
-    added = 0
-    for i in range(0, len(todo), batch_size):
-        batch = todo[i : i + batch_size]
-        inputs = [chat_ids(tokenizer, p.text, max_prompt_tokens) for p in batch]
+    _repair_tail(out)
+
+    def one(p: Prompt) -> dict:
+        ids = chat_ids(tokenizer, p.text, max_prompt_tokens)
         body = {
-            "input_ids": inputs,
+            "input_ids": ids,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
         }
         r = requests.post(server_url + "/generate", json=body, timeout=3600)
         if r.status_code != 200:
             raise RuntimeError(f"{server_url}/generate answered {r.status_code}: {r.text[:500]}")
-        lines = []
-        tokens = 0
-        for p, ids, result in zip(batch, inputs, r.json(), strict=True):
-            response = result["output_ids"]
-            finish = (result["meta_info"].get("finish_reason") or {}).get("type", "")
-            lines.append(
-                json.dumps(
-                    {
-                        "id": p.id,
-                        "source": p.source,
-                        "prompt_ids": ids,
-                        "response_ids": response,
-                        "finish": finish,
-                    }
-                )
-            )
-            tokens += len(response)
-        with out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
-        added += len(batch)
-        progress(len(batch), tokens)
+        result = r.json()
+        return {
+            "id": p.id,
+            "source": p.source,
+            "prompt_ids": ids,
+            "response_ids": result["output_ids"],
+            "finish": (result["meta_info"].get("finish_reason") or {}).get("type", ""),
+        }
+
+    added = 0
+    with ThreadPoolExecutor(batch_size) as pool, out.open("a") as f:
+        for future in as_completed([pool.submit(one, p) for p in todo]):
+            sample = future.result()
+            f.write(json.dumps(sample) + "\n")
+            f.flush()
+            added += 1
+            progress(1, len(sample["response_ids"]))
     return added
+
+
+def _repair_tail(path: Path) -> None:
+    """Drop a torn last line (a run killed mid-write) so appends start on a fresh line."""
+    if path.exists() and path.stat().st_size:
+        data = path.read_bytes()
+        if not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def read_samples(path: Path) -> list[dict]:

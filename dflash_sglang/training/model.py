@@ -179,11 +179,12 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.draft_vocab_ids: torch.Tensor | None = None
         if config.draft_vocab_size:
             self.register_buffer(
                 "draft_vocab_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long)
             )
+        else:
+            self.draft_vocab_ids: torch.Tensor | None = None
 
     def forward(
         self,
