@@ -39,3 +39,18 @@ def test_a_short_last_shard_is_redone_when_data_grows(models, tmp_path, monkeypa
     assert features.compute(target, _samples(6), [1], tmp_path, max_len=64) == 0  # resumed
     assert features.compute(target, _samples(7), [1], tmp_path, max_len=64) == 1
     assert [int(e.input_ids[0]) for e in features.load(tmp_path)] == [5, 6, 7, 8, 9, 10, 11]
+
+
+def test_online_examples_equal_the_cache(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    samples = _samples(3)
+    features.compute(target, samples, [0, 2], tmp_path, max_len=8, dtype=torch.float32)
+    cached = features.load(tmp_path)
+    online = features.OnlineExamples(target, samples, [0, 2], max_len=8)
+    assert len(online) == 3
+    for a, b in zip(cached, online, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and len(a.input_ids) == 8
+        assert torch.allclose(a.features, b.features) and a.prompt_len == b.prompt_len
+    assert features.batch_indices(5, 2, torch.Generator().manual_seed(0))[-1].__len__() == 1

@@ -101,6 +101,15 @@ def test_resumed_training_equals_uninterrupted(run):
         assert torch.equal(value, b["model"][key]), key
 
 
+def test_online_features_train_the_same_way(run, tmp_path):
+    """The GPU recipe's path (--data: features computed per batch) runs the same loop."""
+    args = ["train", "--target", run["target"], "--data", str(run["data"])]
+    assert main([*args, "--out", str(tmp_path), *SHAPE, *TRAIN, "--max-steps", "3"]) == 0
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    assert (tmp_path / "drafter" / "model.safetensors").exists()
+
+
 def test_export_round_trip(run, tmp_path):
     ckpt = run["root"] / "straight" / "checkpoint.pt"
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 0
@@ -113,6 +122,11 @@ def test_export_round_trip(run, tmp_path):
 def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     assert main(["train", "--features-dir", str(tmp_path / "nope"), "--out", "x"]) == 2
     assert "--features-dir" in capsys.readouterr().err
+    assert main(["train", "--out", "x"]) == 2
+    assert "--features-dir" in capsys.readouterr().err
+    bad_mask = ["--target", run["target"], "--mask-token-id", "100000"]
+    assert main(["train", "--features-dir", str(run["features"]), "--out", "x", *bad_mask]) == 2
+    assert "--mask-token-id" in capsys.readouterr().err
     args = ["evaluate", "--target", run["target"], "--drafter", str(tmp_path)]
     assert main(args) == 2
     assert "--drafter" in capsys.readouterr().err

@@ -110,13 +110,23 @@ def _draft_config(a: argparse.Namespace, target: Path, tokenizer):
     from dflash_sglang.checkpoint import read_config
     from dflash_sglang.training.train import draft_config_for
 
-    mask = a.mask_token or tokenizer.mask_token or "<|MASK|>"
-    mask_id = tokenizer.convert_tokens_to_ids(mask)
-    if mask_id is None or mask_id == tokenizer.unk_token_id:
-        raise CliError(f"--mask-token {mask!r} is not a token of the target's vocabulary")
+    target_config = read_config(str(target), "target")
+    vocab = int(target_config.get("vocab_size") or target_config["text_config"]["vocab_size"])
+    if a.mask_token_id is not None:
+        mask_id = a.mask_token_id
+        if not 0 <= mask_id < vocab:
+            raise CliError(f"--mask-token-id {mask_id} is outside the target vocabulary ({vocab})")
+    else:
+        mask = a.mask_token or tokenizer.mask_token or "<|MASK|>"
+        mask_id = tokenizer.convert_tokens_to_ids(mask)
+        if mask_id is None or mask_id == tokenizer.unk_token_id:
+            raise CliError(
+                f"--mask-token {mask!r} is not a token of the target's vocabulary "
+                "(pick an unused special token, or --mask-token-id)"
+            )
     layer_ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
     return draft_config_for(
-        read_config(str(target), "target"),
+        target_config,
         num_layers=a.num_layers,
         block_size=a.block_size,
         mask_token_id=mask_id,
@@ -153,13 +163,17 @@ def cmd_train(a: argparse.Namespace) -> None:
     import torch
 
     from dflash_sglang import draft_vocab
-    from dflash_sglang.training import features, train
+    from dflash_sglang.training import data, features, train
     from dflash_sglang.training.model import DFlashDrafter
 
     torch.set_num_threads(a.threads)
-    features_dir = _existing_dir("--features-dir", a.features_dir)
+    if bool(a.features_dir) == bool(a.data):
+        raise CliError("give exactly one of --features-dir (cached) or --data (online features)")
+    source = _existing_dir("--features-dir", a.features_dir) if a.features_dir else None
+    samples = data.read_samples(_existing_file("--data", a.data)) if a.data else None
     target_dir = _target_path(a.target)
-    target, tokenizer = _load_target(target_dir, "float32")
+    target, tokenizer = _load_target(target_dir, a.target_dtype)
+    target.to(a.device)
     if a.init_drafter:
         drafter = DFlashDrafter.load(_existing_dir("--init-drafter", a.init_drafter))
     else:
@@ -172,22 +186,26 @@ def cmd_train(a: argparse.Namespace) -> None:
             if len(ids) != drafter.config.num_hidden_layers:
                 raise CliError(f"--init-from-target needs {a.num_layers} layer ids, got {ids}")
             train.init_from_target(drafter, target, ids)
-    try:
-        features.check_layers(features_dir, list(drafter.config.target_layer_ids))
-    except ValueError as e:
-        raise CliError(f"--features-dir: {e}") from e
-    examples = features.load(features_dir)
+    layer_ids = list(drafter.config.target_layer_ids)
+    if source is not None:
+        try:
+            features.check_layers(source, layer_ids)
+        except ValueError as e:
+            raise CliError(f"--features-dir: {e}") from e
+        examples = features.load(source)
+        responses = [e.input_ids[e.prompt_len :].tolist() for e in examples]
+    else:
+        examples = features.OnlineExamples(target, samples, layer_ids, a.max_len)
+        responses = [s["response_ids"] for s in samples]
     if drafter.config.draft_vocab_size and not a.init_drafter:
-        responses = (e.input_ids[e.prompt_len :].tolist() for e in examples)
-        drafter.draft_vocab_ids.copy_(
-            draft_vocab.most_frequent(responses, drafter.config.draft_vocab_size)
-        )
+        ids = draft_vocab.most_frequent(responses, drafter.config.draft_vocab_size)
+        drafter.draft_vocab_ids.copy_(ids)
     embed = target.get_input_embeddings()
     head = train.Head(
-        target.get_output_embeddings().weight.detach(), drafter.draft_vocab_ids, a.device
+        target.get_output_embeddings().weight.detach().float(), drafter.draft_vocab_ids, a.device
     )
     cfg = train.TrainConfig(
-        features_dir=a.features_dir,
+        source=a.features_dir or a.data,
         out_dir=a.out,
         epochs=a.epochs,
         batch_size=a.batch_size,
@@ -200,7 +218,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         save_every=a.save_every,
         max_steps=a.max_steps,
     )
-    out = train.train(cfg, drafter.to(a.device), embed.to(a.device), head, examples)
+    out = train.train(cfg, drafter.to(a.device), embed, head, examples)
     print(f"drafter written to {out}")
 
 
@@ -266,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--num-layers", type=int, default=5)
         sp.add_argument("--block-size", type=int, default=16)
         sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
+        sp.add_argument("--mask-token-id", type=int, help="mask token id (e.g. Qwen3: 151669)")
         sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
 
     g = sub.add_parser("generate", help="target responses to real prompts")
@@ -291,7 +310,12 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the drafter")
     common(t)
     shape(t)
-    t.add_argument("--features-dir", required=True)
+    t.add_argument("--features-dir", help="cached features (CPU recipe)")
+    t.add_argument("--data", help="generated JSONL; features computed online (GPU recipe)")
+    t.add_argument("--max-len", type=int, default=512, help="with --data")
+    t.add_argument(
+        "--target-dtype", default="float32", choices=["bfloat16", "float32"], help="frozen target"
+    )
     t.add_argument("--out", required=True, help="run dir: checkpoint.pt, train_log.jsonl, drafter/")
     t.add_argument("--epochs", type=float, default=6.0)
     t.add_argument("--batch-size", type=int, default=4)

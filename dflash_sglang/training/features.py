@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,41 @@ class Example:
 
 def _shard_path(root: Path, index: int) -> Path:
     return root / f"shard_{index:05d}.safetensors"
+
+
+@torch.no_grad()
+def extract(target, sample: dict, layer_ids: list[int], max_len: int) -> Example:
+    """One target pass over prompt + response (at most `max_len` tokens)."""
+    device = target.device
+    ids = torch.tensor((sample["prompt_ids"] + sample["response_ids"])[:max_len])
+    # The base model: no logits over the vocabulary for every position (a fifth of
+    # SmolLM2's compute); they are one matmul away from `final_hidden` when needed.
+    out = target.model(input_ids=ids[None].to(device), output_hidden_states=True)
+    return Example(
+        input_ids=ids,
+        prompt_len=len(sample["prompt_ids"]),
+        features=target_features(out.hidden_states, layer_ids)[0],
+        final_hidden=out.last_hidden_state[0],
+    )
+
+
+class OnlineExamples(Sequence):
+    """Features computed when a batch needs them: the recipe for large targets on GPUs,
+    whose cached features would not fit on disk (Qwen3-8B: 40 KB per token)."""
+
+    def __init__(self, target, samples: list[dict], layer_ids: list[int], max_len: int) -> None:
+        self.target, self.samples, self.layer_ids, self.max_len = (
+            target,
+            samples,
+            layer_ids,
+            max_len,
+        )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Example:
+        return extract(self.target, self.samples[i], self.layer_ids, self.max_len)
 
 
 @torch.no_grad()
@@ -60,15 +95,12 @@ def compute(
             progress(len(chunk))
             continue
         tensors: dict[str, torch.Tensor] = {}
-        for i, s in enumerate(chunk):
-            ids = torch.tensor((s["prompt_ids"] + s["response_ids"])[:max_len])
-            # The base model: no logits over the vocabulary for every position (a fifth of
-            # SmolLM2's compute); they are one matmul away from `final_hidden` when needed.
-            out = target.model(input_ids=ids[None], output_hidden_states=True)
-            tensors[f"{i}.input_ids"] = ids.to(torch.int32)
-            tensors[f"{i}.prompt_len"] = torch.tensor([len(s["prompt_ids"])], dtype=torch.int32)
-            tensors[f"{i}.features"] = target_features(out.hidden_states, layer_ids)[0].to(dtype)
-            tensors[f"{i}.final_hidden"] = out.last_hidden_state[0].to(dtype)
+        for i, sample in enumerate(chunk):
+            example = extract(target, sample, layer_ids, max_len)
+            tensors[f"{i}.input_ids"] = example.input_ids.to(torch.int32)
+            tensors[f"{i}.prompt_len"] = torch.tensor([example.prompt_len], dtype=torch.int32)
+            tensors[f"{i}.features"] = example.features.to(dtype)
+            tensors[f"{i}.final_hidden"] = example.final_hidden.to(dtype)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
@@ -114,10 +146,7 @@ def load(root: Path) -> list[Example]:
     return examples
 
 
-def iter_batches(
-    examples: list[Example], batch: int, generator: torch.Generator
-) -> Iterator[list[Example]]:
-    """One epoch of shuffled batches."""
-    order = torch.randperm(len(examples), generator=generator).tolist()
-    for i in range(0, len(order), batch):
-        yield [examples[j] for j in order[i : i + batch]]
+def batch_indices(count: int, batch: int, generator: torch.Generator) -> list[list[int]]:
+    """One epoch of shuffled batches, as indices (examples are only touched when used)."""
+    order = torch.randperm(count, generator=generator).tolist()
+    return [order[i : i + batch] for i in range(0, count, batch)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from dflash_sglang.training.model import DFlashDrafter, DraftConfig
 
 @dataclass
 class TrainConfig:
-    features_dir: str
+    source: str  # cached features dir, or data JSONL when features are computed online
     out_dir: str
     epochs: float = 6.0
     batch_size: int = 4  # sequences per optimizer step
@@ -92,7 +93,7 @@ def block_loss(
     )
     device = head.weight.device
     hidden = drafter(
-        embed(blocks.input_ids.to(device))[None],
+        embed(blocks.input_ids.to(device)).float()[None],
         example.features.to(device, torch.float32)[None],
         blocks.position_ids.to(device)[None],
         blocks.attention_mask.to(device)[None, None],
@@ -130,7 +131,7 @@ def train(
     drafter: DFlashDrafter,
     embed: torch.nn.Embedding,
     head: Head,
-    examples: list[feature_cache.Example],
+    examples: Sequence[feature_cache.Example],
     log=print,
 ) -> Path:
     """Train `drafter` on cached features; resumes from `out_dir/checkpoint.pt`."""
@@ -139,7 +140,7 @@ def train(
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not examples:
-        raise ValueError(f"no cached features in {cfg.features_dir}: run `features` first")
+        raise ValueError(f"no training examples in {cfg.source}")
     gamma = cfg.gamma or default_gamma(drafter.config.block_size)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total = max(1, int(cfg.epochs * steps_per_epoch))
@@ -164,14 +165,15 @@ def train(
         while step < end:
             epoch, offset = divmod(step, steps_per_epoch)
             order = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-            batches = list(feature_cache.iter_batches(examples, cfg.batch_size, order))
-            for batch in batches[offset:]:
+            batches = feature_cache.batch_indices(len(examples), cfg.batch_size, order)
+            for indices in batches[offset:]:
                 if step >= end:
                     break
                 started = time.monotonic()
                 anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
                 opt.zero_grad(set_to_none=True)
                 total_loss, stats, tokens = 0.0, {"slot1_correct": 0, "slot1_total": 0}, 0
+                batch = [examples[j] for j in indices]
                 for example in batch:
                     loss_mask = torch.zeros(len(example.input_ids))
                     loss_mask[example.prompt_len :] = 1
