@@ -97,6 +97,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         args = ["--model-path", str(target), "--speculative-algorithm", "NONE"]
         args += ["--max-total-tokens", str(a.max_total_tokens), "--disable-radix-cache"]
+        args += ["--dtype", a.dtype] if a.dtype else []
         server = Server(args, out.with_suffix(".server.log"), threads=a.threads)
         try:
             run(server.url)
@@ -296,6 +297,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=int, default=256)
     g.add_argument("--batch-size", type=int, default=32, help="requests in flight")
     g.add_argument("--max-total-tokens", type=int, default=32768)
+    g.add_argument("--dtype", help="server dtype (default: the target's own)")
     g.set_defaults(func=cmd_generate)
 
     f = sub.add_parser("features", help="cache target features")
