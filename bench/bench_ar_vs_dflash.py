@@ -36,7 +36,6 @@ PROMPTS = [
     "Summarize the plot of Romeo and Juliet.",
     "Why is the sky blue?",
 ]
-MASK_TOKEN_ID = 16  # SmolLM2's unused `<empty_output>` special token
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -72,6 +71,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from dflash_sglang import default_model
     from dflash_sglang.checkpoint import write_random_draft
     from dflash_sglang.default_model import ensure_default_target
 
@@ -79,7 +79,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
     draft = args.draft or str(
         write_random_draft(
-            target, work / "draft", mask_token_id=MASK_TOKEN_ID, intermediate_size=1536
+            target,
+            work / "draft",
+            mask_token_id=default_model.MASK_TOKEN_ID,
+            intermediate_size=1536,
         )
     )
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -22,10 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.browser import screenshot  # noqa: E402
 
-MASK_TOKEN_ID = 16  # SmolLM2's unused `<empty_output>` special token
-
 
 def default_or_random_draft(target: Path, work: Path) -> Path:
+    from dflash_sglang import default_model
     from dflash_sglang.checkpoint import write_random_draft
     from dflash_sglang.drafters import default_draft_dir
 
@@ -34,7 +33,7 @@ def default_or_random_draft(target: Path, work: Path) -> Path:
         return Path(bundled)
     print("no bundled drafter: using a random one (overhead only)", file=sys.stderr)
     return write_random_draft(
-        target, work / "draft", mask_token_id=MASK_TOKEN_ID, intermediate_size=1536
+        target, work / "draft", mask_token_id=default_model.MASK_TOKEN_ID, intermediate_size=1536
     )
 
 

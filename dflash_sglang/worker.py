@@ -82,6 +82,7 @@ def _keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
 class DFlashXWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         # Read before upstream init, which may fold a full-vocabulary head into a CUDA graph.
+        self._draft_head: torch.Tensor | None = None  # its lm_head rows, on first use
         self._draft_vocab = draft_vocab.load_ids(server_args.speculative_draft_model_path)
         if self._draft_vocab is not None and get_parallel().tp_size > 1:
             logger.warning("draft vocabulary ignored under TP > 1 (the lm_head is sharded)")
@@ -291,7 +292,7 @@ class DFlashXWorker(DFlashWorkerV2):
 
     def _restricted_head(self, target_model) -> tuple[torch.Tensor, torch.Tensor]:
         """(lm_head rows of the draft vocabulary, their ids), built once on first use."""
-        if not hasattr(self, "_draft_head"):
+        if self._draft_head is None:
             weight = unwrap_lora_layer(target_model.lm_head).weight
             self._draft_vocab = self._draft_vocab.to(weight.device)
             self._draft_head = weight[self._draft_vocab]

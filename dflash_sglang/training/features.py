@@ -29,6 +29,12 @@ class Example:
     features: torch.Tensor  # [S, K*H] target layer outputs
     final_hidden: torch.Tensor  # [S, H] target's last normed hidden state
 
+    def loss_mask(self) -> torch.Tensor:
+        """1 on response tokens: the only positions that anchor blocks or carry loss."""
+        mask = torch.zeros(len(self.input_ids))
+        mask[self.prompt_len :] = 1
+        return mask
+
 
 def _shard_path(root: Path, index: int) -> Path:
     return root / f"shard_{index:05d}.safetensors"

@@ -81,11 +81,9 @@ def block_loss(
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE (and optional KL to the target) of one sequence's blocks."""
     c = drafter.config
-    loss_mask = torch.zeros(len(example.input_ids))
-    loss_mask[example.prompt_len :] = 1
     blocks = build_blocks(
         example.input_ids,
-        loss_mask,
+        example.loss_mask(),
         anchors,
         block_size=c.block_size,
         mask_token_id=c.mask_token_id,
@@ -175,9 +173,7 @@ def train(
                 total_loss, stats, tokens = 0.0, {"slot1_correct": 0, "slot1_total": 0}, 0
                 batch = [examples[j] for j in indices]
                 for example in batch:
-                    loss_mask = torch.zeros(len(example.input_ids))
-                    loss_mask[example.prompt_len :] = 1
-                    anchors = sample_anchors(loss_mask, cfg.num_anchors, anchor_gen)
+                    anchors = sample_anchors(example.loss_mask(), cfg.num_anchors, anchor_gen)
                     if len(anchors) == 0:
                         continue
                     with autocast:
