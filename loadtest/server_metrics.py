@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 DRAFTS = "dflash_num_drafts_total"
 ACCEPTED = "dflash_num_accepted_tokens_total"
-_CUMULATIVE_SUFFIXES = ("_total", "_count", "_sum")
+_CUMULATIVE_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Samples keyed `name{label="value",...}`; counters (and histogram `_count`/`_sum`),
+    """Samples keyed `name{label="value",...}`; counters (and histogram `_bucket`/`_count`/`_sum`),
     which only grow, apart from gauges, which are read as they are."""
 
     counters: dict[str, float] = field(default_factory=dict)

@@ -131,6 +131,8 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     args = ["evaluate", "--target", run["target"], "--drafter", str(tmp_path)]
     assert main(args) == 2
     assert "--drafter" in capsys.readouterr().err
+    assert main([*args, "--baseline-url", "http://127.0.0.1:1"]) == 2
+    assert "--baseline-url" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--out", "x", "--num-prompts", "0"])
     assert exc.value.code == 2

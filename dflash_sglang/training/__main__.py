@@ -233,6 +233,8 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     unknown = set(sets) - set(EVAL_SETS)
     if unknown:
         raise CliError(f"--sets: unknown {sorted(unknown)}; choose from {','.join(EVAL_SETS)}")
+    if a.baseline_url and not a.server_url:
+        raise CliError("--baseline-url needs --server-url (the DFLASH_X server to compare)")
     target_dir = _target_path(a.target)
     drafter_dir = _existing_dir("--drafter", a.drafter)
     from dflash_sglang.checkpoint import CheckpointError, check_pair
@@ -250,6 +252,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         block_size=a.block_size,
         dtype=a.dtype,
         server_url=a.server_url,
+        baseline_url=a.baseline_url,
     )
     text = json.dumps(report, indent=1)
     if a.out:
@@ -345,6 +348,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int)
     e.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     e.add_argument("--server-url", help="also measure through this DFLASH_X server")
+    e.add_argument(
+        "--baseline-url", help="with --server-url: plain-decoding server, interleaved (speedup)"
+    )
     e.add_argument("--out", help="write the JSON report here")
     e.set_defaults(func=cmd_evaluate)
 

@@ -40,28 +40,52 @@ def histogram_from_buckets(deltas: dict[str, float], block_size: int) -> list[in
     return [int(c - p) for c, p in zip(cumulative, [0.0, *cumulative[:-1]], strict=True)]
 
 
-def through_server(url: str, prompts: list[list[int]], max_new_tokens: int, block_size: int):
+def _timed_generate(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+    }
+    started = time.monotonic()
+    r = requests.post(url + "/generate", json=body, timeout=3600)
+    r.raise_for_status()
+    return r.json()["output_ids"], time.monotonic() - started
+
+
+def through_server(
+    url: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int,
+    baseline_url: str | None = None,
+) -> dict:
+    """τ from the server's counters; with `baseline_url` (plain decoding, same build) each
+    prompt also runs there, alternating which goes first, so machine noise hits both alike."""
     from dflash_sglang.loadtest import server_metrics
 
     before = server_metrics.scrape(url)
-    started, tokens = time.monotonic(), 0
-    for ids in prompts:
-        body = {
-            "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
-        }
-        r = requests.post(url + "/generate", json=body, timeout=3600)
-        r.raise_for_status()
-        tokens += r.json()["meta_info"]["completion_tokens"]
-    seconds = time.monotonic() - started
+    seconds = {"dflash": 0.0, "baseline": 0.0}
+    tokens, same = 0, 0
+    for i, ids in enumerate(prompts):
+        arms = [("dflash", url), ("baseline", baseline_url)] if baseline_url else [("dflash", url)]
+        outputs = {}
+        for arm, arm_url in arms if i % 2 == 0 else arms[::-1]:
+            outputs[arm], took = _timed_generate(arm_url, ids, max_new_tokens)
+            seconds[arm] += took
+        tokens += len(outputs["dflash"])
+        same += outputs.get("baseline") == outputs["dflash"]
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(url))
-    return {
+    entry = {
         "tau": server_metrics.tau(deltas),
         "steps": int(server_metrics.total(deltas, server_metrics.DRAFTS)),
         "output_tokens": tokens,
-        "tokens_per_s": tokens / seconds,
+        "tokens_per_s": tokens / seconds["dflash"],
         "histogram": histogram_from_buckets(deltas, block_size),
     }
+    if baseline_url:
+        entry["baseline_tokens_per_s"] = tokens / seconds["baseline"]
+        entry["speedup"] = seconds["baseline"] / seconds["dflash"]
+        entry["same_output_as_baseline"] = same
+    return entry
 
 
 def run(
@@ -74,6 +98,7 @@ def run(
     block_size: int | None,
     dtype: str,
     server_url: str | None,
+    baseline_url: str | None = None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -100,6 +125,9 @@ def run(
             "reference": summarize(lengths, tokens, time.monotonic() - started, bs),
         }
         if server_url:
-            entry["server"] = through_server(server_url.rstrip("/"), prompts, max_new_tokens, bs)
+            base = baseline_url.rstrip("/") if baseline_url else None
+            entry["server"] = through_server(
+                server_url.rstrip("/"), prompts, max_new_tokens, bs, base
+            )
         report[name] = entry
     return report

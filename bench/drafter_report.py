@@ -1,0 +1,98 @@
+"""The README's drafter table: τ, acceptance histogram and single-stream speedup on held-out sets.
+
+    python bench/drafter_report.py [--drafter DIR] [--limit 20] --out bench/drafter/report.json
+
+For the embedded SmolLM2 target and a drafter (default: the bundled one) it runs
+`training.evaluate` with the reference loop (fp32, exact) and through two servers started by
+our launcher on the same build: DFLASH_X with the drafter, and plain decoding. Prompts go to
+both servers one at a time, alternating which goes first, so the speedup is a same-run ratio.
+Temperature 0, block size of the drafter, up to --max-new-tokens new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def table(report: dict) -> str:
+    """Markdown rows: one per set, reference and server side by side."""
+    rows = [
+        "| set | prompts | τ reference | τ server | server tok/s DFLASH_X / AR | speedup "
+        "| same output as AR | server histogram (accepted length 1..16) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in report.items():
+        if not isinstance(entry, dict) or "reference" not in entry:
+            continue
+        ref, srv = entry["reference"], entry.get("server", {})
+        rows.append(
+            f"| {name} | {entry['prompts']} | {ref['tau']:.2f} | {srv.get('tau') or 0:.2f} "
+            f"| {srv.get('tokens_per_s', 0):.1f} / {srv.get('baseline_tokens_per_s', 0):.1f} "
+            f"| {srv.get('speedup', 0):.2f}x | {srv.get('same_output_as_baseline', '-')} "
+            f"| {' '.join(map(str, srv.get('histogram', [])))} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--drafter", help="drafter dir (default: the bundled one)")
+    ap.add_argument("--sets", default="mt_bench,humaneval,math")
+    ap.add_argument("--limit", type=int, default=20, help="prompts per set")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--server-dtype", default="bfloat16", help="servers' --dtype (as served)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
+    ap.add_argument("--out", required=True, help="JSON report (a .md table is written beside)")
+    args = ap.parse_args()
+
+    import torch
+
+    from dflash_sglang.default_model import ensure_default_target
+    from dflash_sglang.drafters import default_draft_dir
+    from dflash_sglang.managed_server import Server
+    from dflash_sglang.training import evaluate
+
+    torch.set_num_threads(args.threads)
+    drafter = args.drafter or default_draft_dir()
+    if drafter is None:
+        ap.error("--drafter: no bundled drafter in this build; pass one")
+    target = ensure_default_target()
+    logs = Path(tempfile.mkdtemp(prefix="dflash_report_"))
+    common = ["--model-path", str(target), "--dtype", args.server_dtype]
+    common += ["--max-total-tokens", "16384"]
+    dflash = Server([*common, "--speculative-draft-model-path", drafter], logs / "dflash.log",
+                    threads=args.threads)  # fmt: skip
+    try:
+        ar = Server([*common, "--speculative-algorithm", "NONE"], logs / "ar.log",
+                    threads=args.threads)  # fmt: skip
+        try:
+            report = evaluate.run(
+                target,
+                Path(drafter),
+                args.sets.split(","),
+                limit=args.limit,
+                max_new_tokens=args.max_new_tokens,
+                block_size=None,
+                dtype="float32",
+                server_url=dflash.url,
+                baseline_url=ar.url,
+            )
+        finally:
+            ar.stop()
+    finally:
+        dflash.stop()
+    report["server_dtype"] = args.server_dtype
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(table(report) + "\n")
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
