@@ -1,10 +1,12 @@
-"""`make serve` path: the launcher with no model arguments serves the embedded default."""
+"""`make serve` path: the launcher with no model arguments serves the embedded default pair:
+SmolLM2-135M-Instruct and its bundled DFlash drafter under DFLASH_X."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
+from dflash_sglang.drafters import default_draft_dir
 from tests.server import Server
 
 pytestmark = pytest.mark.server
@@ -24,7 +26,10 @@ def test_embedded_default_answers_a_chat_completion(converted, tmp_path):
         r.raise_for_status()
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         log = server.log_path.read_text()
-        assert "No default drafter is bundled yet" in log
+        assert f"--speculative-draft-model-path {default_draft_dir()}" in log
+        assert "--speculative-algorithm DFLASH_X" in log
+        stats = requests.get(server.url + "/dflash/stats", timeout=30).json()["since_start"]
+        assert stats["request_steps"] > 0 and stats["tau"] > 1.0  # the drafter is accepted
         assert "Converting" not in log  # the session's conversion was reused
         bad = requests.post(
             server.url + "/v1/chat/completions", json={"model": "default"}, timeout=60
