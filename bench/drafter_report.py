@@ -6,7 +6,8 @@ For the embedded SmolLM2 target and a drafter (default: the bundled one) it runs
 `training.evaluate` with the reference loop (fp32, exact) and through two servers started by
 our launcher on the same build: DFLASH_X with the drafter, and plain decoding. Prompts go to
 both servers one at a time, alternating which goes first, so the speedup is a same-run ratio.
-Temperature 0, block size of the drafter, up to --max-new-tokens new tokens.
+Temperature 0, block size of the drafter, up to --max-new-tokens new tokens. Each prompt is
+also decoded by the target alone (HF, fp32): the reference loop must reproduce it exactly.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from pathlib import Path
 def table(report: dict) -> str:
     """Markdown rows: one per set, reference and server side by side."""
     rows = [
-        "| set | prompts | τ reference | τ server | server tok/s DFLASH_X / AR | speedup "
-        "| same output as AR | server histogram (accepted length 1..16) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| set | prompts | τ reference | reference = plain greedy | τ server "
+        "| server tok/s DFLASH_X / AR | speedup | same output as AR "
+        "| server histogram (accepted length 1..16) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in report.items():
         if not isinstance(entry, dict) or "reference" not in entry:
             continue
         ref, srv = entry["reference"], entry.get("server", {})
         rows.append(
-            f"| {name} | {entry['prompts']} | {ref['tau']:.2f} | {srv.get('tau') or 0:.2f} "
+            f"| {name} | {entry['prompts']} | {ref['tau']:.2f} "
+            f"| {ref.get('same_as_plain_greedy', '-')} | {srv.get('tau') or 0:.2f} "
             f"| {srv.get('tokens_per_s', 0):.1f} / {srv.get('baseline_tokens_per_s', 0):.1f} "
             f"| {srv.get('speedup', 0):.2f}x | {srv.get('same_output_as_baseline', '-')} "
             f"| {' '.join(map(str, srv.get('histogram', [])))} |"
@@ -80,6 +83,7 @@ def main() -> int:
                 dtype="float32",
                 server_url=dflash.url,
                 baseline_url=ar.url,
+                check_greedy=True,
             )
         finally:
             ar.stop()

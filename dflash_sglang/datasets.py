@@ -61,19 +61,29 @@ def humaneval() -> list[str]:
 
 def sharegpt(limit: int | None = None) -> list[str]:
     """First human turns of ShareGPT V3 conversations (17,671 recoverable), at most `limit`."""
+    return [human for human, _ in sharegpt_pairs(limit)]
+
+
+def sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
+    """(first human turn, the reply that follows it, or "") of ShareGPT V3 conversations.
+
+    The replies are ChatGPT's, not any target's: drafter training uses them only as text
+    for the target to read (its own predictions become the labels, `--labels target`).
+    """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    prompts: list[str] = []
+    pairs: list[tuple[str, str]] = []
     for conversation in iter_json_array(data_file(SHAREGPT)):
-        if limit is not None and len(prompts) >= limit:
+        if limit is not None and len(pairs) >= limit:
             break
-        first_human = next(
-            (t["value"] for t in conversation.get("conversations", []) if t.get("from") == "human"),
-            "",
-        )
-        if first_human.strip():
-            prompts.append(first_human)
-    return prompts
+        turns = conversation.get("conversations", [])
+        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        if first is None or not turns[first].get("value", "").strip():
+            continue
+        nxt = turns[first + 1] if first + 1 < len(turns) else {}
+        reply = nxt.get("value", "") if nxt.get("from") == "gpt" else ""
+        pairs.append((turns[first]["value"], reply))
+    return pairs
 
 
 def iter_json_array(path: Path, read_chars: int = _SHAREGPT_READ_CHARS) -> Iterator[dict]:

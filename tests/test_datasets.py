@@ -31,6 +31,12 @@ def test_sharegpt_limit(limit):
     assert all(isinstance(p, str) and p.strip() for p in prompts)
 
 
+def test_sharegpt_pairs_carry_the_reply_to_each_first_turn():
+    pairs = datasets.sharegpt_pairs(25)
+    assert [human for human, _ in pairs] == datasets.sharegpt(25)
+    assert sum(bool(reply.strip()) for _, reply in pairs) >= 20
+
+
 def test_sharegpt_rejects_negative_limit():
     with pytest.raises(ValueError, match="limit must be >= 0"):
         datasets.sharegpt(-1)

@@ -56,3 +56,22 @@ def test_server_reports_the_same_acceptance(live_dflash, half_models):
         ref = decoder.generate(tok(prompt)["input_ids"], 40)
         assert meta["spec_verify_ct"] == len(ref.acceptance_lengths), prompt
         assert meta["completion_tokens"] == len(ref.tokens)
+
+
+def test_evaluate_checks_outputs_against_plain_greedy(half_models):
+    from dflash_sglang.training import evaluate
+
+    report = evaluate.run(
+        half_models["target"],
+        half_models["draft"],
+        ["mt_bench", "humaneval"],
+        limit=2,
+        max_new_tokens=24,
+        block_size=None,
+        dtype="float32",
+        server_url=None,
+        check_greedy=True,
+    )
+    for name in ("mt_bench", "humaneval"):
+        assert report[name]["reference"]["same_as_plain_greedy"] == 2
+        assert report[name]["reference"]["tau"] > 1

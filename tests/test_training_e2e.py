@@ -111,6 +111,14 @@ def test_online_features_train_the_same_way(run, tmp_path):
     assert (tmp_path / "drafter" / "model.safetensors").exists()
 
 
+def test_target_labels_train_from_the_cli(run, tmp_path):
+    """--labels target (the labels for generate --responses dataset) runs the same loop."""
+    assert _train(run, tmp_path, "--labels", "target", "--distill", "0.5", "--max-steps", "3") == 0
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and all(r["loss"] > 0 for r in log)
+    assert (tmp_path / "drafter" / "model.safetensors").exists()
+
+
 def test_export_round_trip(run, tmp_path):
     ckpt = run["root"] / "straight" / "checkpoint.pt"
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 0

@@ -61,8 +61,13 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
     from dflash_sglang.training import data
 
+    if a.responses == "dataset" and a.prompt_set != "sharegpt":
+        raise CliError(f"--responses dataset: --prompt-set {a.prompt_set} has no replies")
     target = _target_path(a.target)
-    prompts = data.training_prompts(a.num_prompts)
+    if a.prompt_set == "sharegpt":
+        prompts = data.training_prompts(a.num_prompts)
+    else:
+        prompts = data.heldout_prompts(a.prompt_set, a.num_prompts)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -86,7 +91,16 @@ def cmd_generate(a: argparse.Namespace) -> None:
             progress=progress,
         )
 
-    if a.server_url:
+    if a.responses == "dataset":
+        data.dataset_responses(
+            prompts,
+            out,
+            tokenizer=tokenizer,
+            max_new_tokens=a.max_new_tokens,
+            max_prompt_tokens=a.max_prompt_tokens,
+            progress=progress,
+        )
+    elif a.server_url:
         run(a.server_url.rstrip("/"))
     else:
         import signal
@@ -213,6 +227,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         num_anchors=a.num_anchors,
         lr=a.lr,
         distill=a.distill,
+        labels=a.labels,
         seed=a.seed,
         device=a.device,
         bf16=a.bf16,
@@ -243,21 +258,46 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         check_pair(str(target_dir), str(drafter_dir))
     except CheckpointError as e:
         raise CliError(f"--drafter: {e}") from e
-    report = evaluate.run(
-        target_dir,
-        drafter_dir,
-        sets,
-        limit=a.limit,
-        max_new_tokens=a.max_new_tokens,
-        block_size=a.block_size,
-        dtype=a.dtype,
-        server_url=a.server_url,
-        baseline_url=a.baseline_url,
-    )
+    if a.features_dir:
+        report = _teacher_forced(a, target_dir, drafter_dir)
+    else:
+        report = evaluate.run(
+            target_dir,
+            drafter_dir,
+            sets,
+            limit=a.limit,
+            max_new_tokens=a.max_new_tokens,
+            block_size=a.block_size,
+            dtype=a.dtype,
+            server_url=a.server_url,
+            baseline_url=a.baseline_url,
+            check_greedy=a.check_greedy,
+        )
     text = json.dumps(report, indent=1)
     if a.out:
         Path(a.out).write_text(text)
     print(text)
+
+
+def _teacher_forced(a: argparse.Namespace, target_dir: Path, drafter_dir: Path) -> dict:
+    from dflash_sglang.training import evaluate, features
+    from dflash_sglang.training.model import DFlashDrafter
+
+    source = _existing_dir("--features-dir", a.features_dir)
+    drafter = DFlashDrafter.load(drafter_dir).eval()
+    try:
+        features.check_layers(source, list(drafter.config.target_layer_ids))
+    except ValueError as e:
+        raise CliError(f"--features-dir: {e}") from e
+    target, _ = _load_target(target_dir, "float32")
+    examples = features.load(source)
+    result = evaluate.teacher_forced(
+        drafter,
+        target.get_input_embeddings(),
+        target.get_output_embeddings().weight,
+        examples,
+    )
+    return {"drafter": str(drafter_dir), "features": str(source), "teacher_forced": result}
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -301,6 +341,20 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=32, help="requests in flight")
     g.add_argument("--max-total-tokens", type=int, default=32768)
     g.add_argument("--dtype", help="server dtype (default: the target's own)")
+    g.add_argument(
+        "--prompt-set",
+        choices=["sharegpt", *EVAL_SETS],
+        default="sharegpt",
+        help="sharegpt: training prompts (held-out sets removed); a held-out set: evaluation "
+        "data for evaluate --features-dir",
+    )
+    g.add_argument(
+        "--responses",
+        choices=["target", "dataset"],
+        default="target",
+        help="target: regenerate through a server; dataset: the prompt set's own replies "
+        "(no server; train them with --labels target)",
+    )
     g.set_defaults(func=cmd_generate)
 
     f = sub.add_parser("features", help="cache target features")
@@ -327,6 +381,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-anchors", type=int, default=32)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--distill", type=float, default=0.0, help="KL weight in [0, 1]")
+    t.add_argument(
+        "--labels",
+        choices=["text", "target"],
+        default="text",
+        help="text: the data's tokens; target: the target's own argmax at each position "
+        "(for generate --responses dataset)",
+    )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
@@ -350,6 +411,16 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--server-url", help="also measure through this DFLASH_X server")
     e.add_argument(
         "--baseline-url", help="with --server-url: plain-decoding server, interleaved (speedup)"
+    )
+    e.add_argument(
+        "--check-greedy",
+        action="store_true",
+        help="also decode each prompt with the target alone and count identical outputs",
+    )
+    e.add_argument(
+        "--features-dir",
+        help="instead of decoding: teacher-forced τ on these cached features of greedy "
+        "target data (e.g. generate --prompt-set mt_bench, then features)",
     )
     e.add_argument("--out", help="write the JSON report here")
     e.set_defaults(func=cmd_evaluate)

@@ -88,6 +88,82 @@ def through_server(
     return entry
 
 
+def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list[int]:
+    """Acceptance length of a greedy decode step anchored at each of `anchors`, from the
+    cached features of the target's own greedy data (`head`: a `train.Head`).
+
+    A step anchored at a sees what the reference loop's step there sees (context features
+    before a, token a), so the leading draft slots equal to the data, plus the bonus
+    token, are that step's acceptance length.
+    """
+    import torch
+
+    from dflash_sglang.training.blocks import IGNORE
+    from dflash_sglang.training.train import draft_blocks
+
+    with torch.no_grad():
+        b, hidden = draft_blocks(drafter, embed, example, anchors, gamma=1.0)
+        local = (hidden @ head.weight.T).argmax(-1)
+    ids = drafter.draft_vocab_ids
+    drafts = (local if ids is None else ids[local]).view(len(anchors), -1)[:, 1:]
+    labels = b.labels.view(len(anchors), -1)[:, 1:]
+    match = (drafts == labels) & (labels != IGNORE)
+    return (match.int().cumprod(-1).sum(-1) + 1).tolist()
+
+
+def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -> list[int]:
+    """The acceptance lengths a greedy decode of `example`'s response would have, step by
+    step, from its cached features alone: the first block starts on the first response
+    token and each next one where the previous step's accepted drafts and bonus end.
+
+    Acceptance at every response position comes from batched drafter passes (`chunk`
+    blocks each), so no target runs; on the target's own greedy data this is the reference
+    loop's sequence of acceptance lengths, up to where the data stops.
+    """
+    import torch
+
+    end = len(example.input_ids) - 1  # the last token has nothing after it to predict
+    positions = torch.arange(example.prompt_len, end)
+    at = {}
+    for i in range(0, len(positions), chunk):
+        anchors = positions[i : i + chunk]
+        lengths = acceptance_at(drafter, embed, head, example, anchors)
+        at.update(zip(anchors.tolist(), lengths, strict=True))
+    steps, pos = [], example.prompt_len
+    while pos < end:
+        steps.append(at[pos])
+        pos += at[pos]
+    return steps
+
+
+def teacher_forced(drafter: DFlashDrafter, embed, lm_head_weight, examples) -> dict:
+    """τ and histogram of greedy decoding over cached features of the target's own greedy
+    output (`decode_walk`): the reference loop's numbers without running the target, for
+    comparing training runs on held-out prompts."""
+    from dflash_sglang.training.train import Head
+
+    head = Head(lm_head_weight.detach().float(), drafter.draft_vocab_ids)
+    lengths: list[int] = []
+    for ex in examples:
+        lengths += decode_walk(drafter, embed, head, ex)
+    summary = summarize(lengths, sum(lengths), 0.0, drafter.config.block_size)
+    return {k: summary[k] for k in ("tau", "steps", "histogram")}
+
+
+def plain_greedy(target, ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:
+    """The target decoding alone (HF, KV cache): what a lossless loop must reproduce."""
+    import torch
+
+    out = target.generate(
+        torch.tensor([ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(stop_ids) or None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
 def run(
     target_dir: Path,
     drafter_dir: Path,
@@ -99,6 +175,7 @@ def run(
     dtype: str,
     server_url: str | None,
     baseline_url: str | None = None,
+    check_greedy: bool = False,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,16 +191,21 @@ def run(
     for name in sets:
         prompts = [chat_ids(tokenizer, t, MAX_PROMPT_TOKENS) for t in available[name][:limit]]
         lengths: list[int] = []
-        tokens = 0
-        started = time.monotonic()
+        tokens, seconds, same = 0, 0.0, 0
         for ids in prompts:
+            started = time.monotonic()
             gen = decoder.generate(ids, max_new_tokens, stop_ids=stop, block_size=bs)
+            seconds += time.monotonic() - started
             lengths += gen.acceptance_lengths
             tokens += len(gen.tokens)
+            if check_greedy:
+                same += gen.tokens == plain_greedy(target, ids, max_new_tokens, stop)
         entry = {
             "prompts": len(prompts),
-            "reference": summarize(lengths, tokens, time.monotonic() - started, bs),
+            "reference": summarize(lengths, tokens, seconds, bs),
         }
+        if check_greedy:
+            entry["reference"]["same_as_plain_greedy"] = same
         if server_url:
             base = baseline_url.rstrip("/") if baseline_url else None
             entry["server"] = through_server(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_sglang.training import features as feature_cache
-from dflash_sglang.training.blocks import build_blocks, default_gamma, sample_anchors
+from dflash_sglang.training.blocks import Blocks, build_blocks, default_gamma, sample_anchors
 from dflash_sglang.training.model import DFlashDrafter, DraftConfig
 
 
@@ -35,6 +35,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; None = the paper's value for the block size
     distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
+    labels: str = "text"  # "text": the data's tokens; "target": the target's own argmax
     seed: int = 0
     device: str = "cpu"
     bf16: bool = True
@@ -70,16 +71,15 @@ def cosine_lr(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def block_loss(
+def draft_blocks(
     drafter: DFlashDrafter,
     embed: torch.nn.Embedding,
-    head: Head,
     example: feature_cache.Example,
     anchors: torch.Tensor,
     gamma: float,
-    distill: float,
-) -> tuple[torch.Tensor, dict]:
-    """Weighted CE (and optional KL to the target) of one sequence's blocks."""
+    device: torch.device | str = "cpu",
+) -> tuple[Blocks, torch.Tensor]:
+    """One sequence's blocks at `anchors` and the drafter's normed hidden state per slot."""
     c = drafter.config
     blocks = build_blocks(
         example.input_ids,
@@ -89,23 +89,48 @@ def block_loss(
         mask_token_id=c.mask_token_id,
         gamma=gamma,
     )
-    device = head.weight.device
     hidden = drafter(
         embed(blocks.input_ids.to(device)).float()[None],
         example.features.to(device, torch.float32)[None],
         blocks.position_ids.to(device)[None],
         blocks.attention_mask.to(device)[None, None],
     )[0]
+    return blocks, hidden
+
+
+def block_loss(
+    drafter: DFlashDrafter,
+    embed: torch.nn.Embedding,
+    head: Head,
+    example: feature_cache.Example,
+    anchors: torch.Tensor,
+    gamma: float,
+    distill: float,
+    target_labels: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE (and optional KL to the target) of one sequence's blocks.
+
+    With `target_labels` the CE label of each slot is the target's own argmax (within the
+    draft vocabulary) instead of the data's token: on greedy regenerated data the two agree
+    up to numerics; on text the target did not write, only the target's choice is right.
+    """
+    c = drafter.config
+    device = head.weight.device
+    blocks, hidden = draft_blocks(drafter, embed, example, anchors, gamma, device)
     labels = head.to_local(blocks.labels.clamp(min=0))
-    keep = (blocks.weights > 0) & (labels >= 0)
+    keep = (blocks.weights > 0) & ((labels >= 0) | target_labels)
     weights = blocks.weights[keep].to(device)
     logits = hidden[keep.to(device)] @ head.weight.T
-    ce = F.cross_entropy(logits.float(), labels[keep].to(device), reduction="none")
-    loss = (ce * weights).sum() / (weights.sum() + 1e-6)
-    if distill > 0:
+    teacher = None
+    if distill > 0 or target_labels:
         # The target's distribution for the token at position p comes from position p - 1.
         positions = (blocks.position_ids[len(example.input_ids) :] - 1)[keep]
-        teacher = example.final_hidden[positions].to(device, torch.float32) @ head.weight.T
+        with torch.autocast(device.type, enabled=False):  # exact fp32 argmax and KL target
+            teacher = example.final_hidden[positions].to(device, torch.float32) @ head.weight.T
+    targets = teacher.argmax(-1) if target_labels else labels[keep].to(device)
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    loss = (ce * weights).sum() / (weights.sum() + 1e-6)
+    if distill > 0:
         kl = F.kl_div(
             F.log_softmax(logits.float(), -1),
             F.log_softmax(teacher.float(), -1),
@@ -114,7 +139,7 @@ def block_loss(
         ).sum(-1)
         loss = (1 - distill) * loss + distill * (kl * weights).sum() / (weights.sum() + 1e-6)
     slot1 = keep & (torch.arange(len(keep)) % c.block_size == 1)
-    correct = (logits.argmax(-1) == labels[keep].to(device))[slot1[keep].to(device)]
+    correct = (logits.argmax(-1) == targets)[slot1[keep].to(device)]
     return loss, {"slot1_correct": int(correct.sum()), "slot1_total": int(correct.numel())}
 
 
@@ -178,7 +203,14 @@ def train(
                         continue
                     with autocast:
                         loss, s = block_loss(
-                            drafter, embed, head, example, anchors, gamma, cfg.distill
+                            drafter,
+                            embed,
+                            head,
+                            example,
+                            anchors,
+                            gamma,
+                            cfg.distill,
+                            target_labels=cfg.labels == "target",
                         )
                     (loss / len(batch)).backward()
                     total_loss += loss.item() / len(batch)

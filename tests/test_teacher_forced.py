@@ -1,0 +1,39 @@
+"""Teacher-forced acceptance: on the target's own greedy output, a block anchored where a
+decode step started accepts exactly what that step accepted in the reference loop, and the
+walk over cached features retraces the decode's steps."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_sglang.reference import ReferenceDecoder
+from dflash_sglang.training import evaluate, features
+from dflash_sglang.training.model import DFlashDrafter
+from dflash_sglang.training.train import Head
+
+PROMPTS = [[5, 9, 13, 2], [40, 41, 42, 43, 44, 45], [7, 100, 7, 100, 7]]
+
+
+def test_acceptance_at_the_decode_steps_equals_the_reference_loop(half_models):
+    target = AutoModelForCausalLM.from_pretrained(half_models["target"], dtype=torch.float32)
+    drafter = DFlashDrafter.load(half_models["draft"]).eval()
+    decoder = ReferenceDecoder(target.eval(), drafter)
+    head = Head(target.lm_head.weight.detach(), drafter.draft_vocab_ids)
+    layers = list(drafter.config.target_layer_ids)
+    all_lengths = []
+    for prompt in PROMPTS:
+        gen = decoder.generate(prompt, 48)
+        sample = {"prompt_ids": prompt, "response_ids": gen.tokens}
+        example = features.extract(target, sample, layers, max_len=4096)
+        # Step i's block starts at the token the previous steps ended on.
+        steps = gen.acceptance_lengths
+        starts = torch.tensor([len(prompt) + sum(steps[:i]) for i in range(len(steps))])
+        embed = target.get_input_embeddings()
+        lengths = evaluate.acceptance_at(drafter, embed, head, example, starts)
+        # The last step may be cut by max_new_tokens; every other one must match, and the
+        # walk over all positions finds the same steps without being told where they are.
+        assert lengths[:-1] == steps[:-1]
+        assert evaluate.decode_walk(drafter, embed, head, example, chunk=5)[:-1] == steps[:-1]
+        all_lengths += steps
+    assert 1 < sum(all_lengths) / len(all_lengths) < drafter.config.block_size  # partial
