@@ -141,6 +141,12 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     assert "--drafter" in capsys.readouterr().err
     assert main([*args, "--baseline-url", "http://127.0.0.1:1"]) == 2
     assert "--baseline-url" in capsys.readouterr().err
+    assert main([*args[:-2], "--drafter", str(run["root"] / "straight" / "drafter"),
+                 "--features-dir", str(tmp_path / "nope")]) == 2  # fmt: skip
+    assert "--features-dir" in capsys.readouterr().err
+    gen = ["generate", "--out", str(tmp_path / "x"), "--prompt-set", "mt_bench"]
+    assert main([*gen, "--responses", "dataset"]) == 2
+    assert "--prompt-set mt_bench has no replies" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--out", "x", "--num-prompts", "0"])
     assert exc.value.code == 2
