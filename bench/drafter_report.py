@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def table(report: dict) -> str:
     """Markdown rows: one per set, reference and server side by side."""
@@ -90,6 +92,8 @@ def main() -> int:
     finally:
         dflash.stop()
     report["server_dtype"] = args.server_dtype
+    if Path(drafter).resolve().is_relative_to(REPO):  # no machine paths in committed reports
+        report["drafter"] = str(Path(drafter).resolve().relative_to(REPO))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

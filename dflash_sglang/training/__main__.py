@@ -259,7 +259,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     except CheckpointError as e:
         raise CliError(f"--drafter: {e}") from e
     if a.features_dir:
-        report = _teacher_forced(a, target_dir, drafter_dir)
+        report = _teacher_forced(a.features_dir, target_dir, drafter_dir)
     else:
         report = evaluate.run(
             target_dir,
@@ -279,11 +279,11 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     print(text)
 
 
-def _teacher_forced(a: argparse.Namespace, target_dir: Path, drafter_dir: Path) -> dict:
+def _teacher_forced(features_dir: str, target_dir: Path, drafter_dir: Path) -> dict:
     from dflash_sglang.training import evaluate, features
     from dflash_sglang.training.model import DFlashDrafter
 
-    source = _existing_dir("--features-dir", a.features_dir)
+    source = _existing_dir("--features-dir", features_dir)
     drafter = DFlashDrafter.load(drafter_dir).eval()
     try:
         features.check_layers(source, list(drafter.config.target_layer_ids))
