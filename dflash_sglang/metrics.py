@@ -3,21 +3,33 @@
 Exported by every scheduler process through SGLang's Prometheus multiprocess registry, so
 they appear on SGLang's own `/metrics` next to `sglang:*`:
 
-  dflash_num_drafts_total                          request-steps that verified a draft
-  dflash_num_draft_tokens_total                    drafted tokens offered for verification
-  dflash_num_accepted_tokens_total                 drafted tokens the target accepted
+  dflash_num_drafts_total{source}                  request-steps that verified a proposal
+                                                   (source "dflash": the drafter's block;
+                                                   "suffix": a suffix lookup)
+  dflash_num_draft_tokens_total{source}            proposed tokens offered for verification
+  dflash_num_accepted_tokens_total{source}         proposed tokens the target accepted
   dflash_num_accepted_tokens_per_pos_total{position="k"}  accepted at draft slot k (0-based)
+  dflash_num_request_steps_total                   decode request-steps, speculating or not
+  dflash_num_steps_total, dflash_num_plain_steps_total  decode steps; of them, width 1
+                                                   (speculation off: plain decoding)
   dflash_acceptance_length                         histogram: tokens emitted per request-step
   dflash_draft_seconds, dflash_verify_seconds      histograms: per step
+  dflash_step_verify_width                         histogram: verify width per step
+  dflash_step_seconds, dflash_predicted_step_seconds  histograms: a decode step, start to
+                                                   next start, measured / as the adaptive
+                                                   planner predicted it
   dflash_verify_width                              gauge: tokens verified per request (last step)
   dflash_draft_kv_rows                             gauge: draft-KV rows holding injected features
   dflash_radix_reused_draft_kv_tokens_total        prompt tokens whose draft KV came from the
                                                    radix cache instead of being injected again
 
-Ratios are not exported; compute them over any window w (the bonus token is included in τ):
+Ratios are not exported; compute them over any window w (the bonus token is included in τ;
+sum over `source` for both sources together, or keep it for τ per source):
   τ (mean acceptance length) = 1 + rate(accepted[w]) / rate(drafts[w])
   acceptance rate            = rate(accepted[w]) / rate(draft_tokens[w])
   acceptance at position k   = rate(accepted_per_pos{position="k"}[w]) / rate(drafts[w])
+  output tokens              = request_steps + accepted (each request-step emits a bonus)
+  speculation off            = rate(plain_steps[w]) / rate(steps[w])
 """
 
 from __future__ import annotations
@@ -27,8 +39,25 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_sglang.proposals import SOURCES, StepPlan
+
 PREFIX = "dflash_"
+# Exported sample names, for every reader (`server/stats.py`, `loadtest/`, benchmarks).
+DRAFTS = PREFIX + "num_drafts_total"
+DRAFT_TOKENS = PREFIX + "num_draft_tokens_total"
+ACCEPTED = PREFIX + "num_accepted_tokens_total"
+ACCEPTED_PER_POS = PREFIX + "num_accepted_tokens_per_pos_total"
+REQUEST_STEPS = PREFIX + "num_request_steps_total"
+STEPS = PREFIX + "num_steps_total"
+PLAIN_STEPS = PREFIX + "num_plain_steps_total"
+STEP_WIDTH = PREFIX + "step_verify_width"
+VERIFY_WIDTH = PREFIX + "verify_width"
 TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+def tau(accepted: float, drafts: float) -> float | None:
+    """Mean acceptance length, bonus included: 1 + accepted / drafts (None without drafts)."""
+    return 1.0 + accepted / drafts if drafts else None
 
 
 @dataclass(frozen=True)
@@ -42,8 +71,8 @@ class StepStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """τ for this step: 1 + accepted / drafts (1.0 when nothing was drafted)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        """τ for this step (1.0 when nothing was drafted)."""
+        return tau(self.num_accepted_tokens, self.num_drafts) or 1.0
 
 
 def step_stats(accept_lens: Sequence[int], verify_width: int) -> StepStats:
@@ -67,29 +96,53 @@ class PrometheusMetrics:
     def __init__(self, max_verify_width: int) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        self.drafts = Counter(PREFIX + "num_drafts", "Request-steps that verified a draft.")
+        by_source = ["source"]
+        self.drafts = Counter(
+            PREFIX + "num_drafts", "Request-steps that verified a proposal.", by_source
+        )
         self.draft_tokens = Counter(
-            PREFIX + "num_draft_tokens", "Drafted tokens offered for verification."
+            PREFIX + "num_draft_tokens", "Proposed tokens offered for verification.", by_source
         )
         self.accepted = Counter(
-            PREFIX + "num_accepted_tokens", "Drafted tokens accepted by the target."
+            PREFIX + "num_accepted_tokens", "Proposed tokens accepted by the target.", by_source
         )
         self.accepted_per_pos = Counter(
             PREFIX + "num_accepted_tokens_per_pos",
             "Drafted tokens accepted at each draft position (0-based).",
             ["position"],
         )
+        self.request_steps = Counter(
+            PREFIX + "num_request_steps", "Decode request-steps, speculating or not."
+        )
+        self.steps = Counter(PREFIX + "num_steps", "Decode steps.")
+        self.plain_steps = Counter(
+            PREFIX + "num_plain_steps", "Decode steps at verify width 1 (speculation off)."
+        )
+        widths = [float(n) for n in range(1, max_verify_width + 1)]
         self.acceptance_length = Histogram(
             PREFIX + "acceptance_length",
             "Tokens emitted per request per step (accepted drafts + bonus).",
-            buckets=[float(n) for n in range(1, max_verify_width + 1)],
+            buckets=widths,
+        )
+        self.step_width = Histogram(
+            PREFIX + "step_verify_width", "Verify width per decode step.", buckets=widths
         )
         self.draft_seconds = Histogram(
-            PREFIX + "draft_seconds", "Draft forward time per step.", buckets=TIME_BUCKETS
+            PREFIX + "draft_seconds", "Proposal time per step.", buckets=TIME_BUCKETS
         )
         self.verify_seconds = Histogram(
             PREFIX + "verify_seconds",
             "Target verify forward + acceptance time per step.",
+            buckets=TIME_BUCKETS,
+        )
+        self.step_seconds = Histogram(
+            PREFIX + "step_seconds",
+            "Decode step, start to next start (scheduler included).",
+            buckets=TIME_BUCKETS,
+        )
+        self.predicted_step_seconds = Histogram(
+            PREFIX + "predicted_step_seconds",
+            "Decode step time the adaptive planner predicted.",
             buckets=TIME_BUCKETS,
         )
         self.verify_width = Gauge(
@@ -106,31 +159,51 @@ class PrometheusMetrics:
             PREFIX + "radix_reused_draft_kv_tokens",
             "Prompt tokens whose draft KV was reused from the radix cache, not re-injected.",
         )
-        # Touch each position so dashboards see every series from the first scrape.
+        # Touch every series so dashboards see them from the first scrape.
         self._positions = [
             self.accepted_per_pos.labels(str(k)) for k in range(max_verify_width - 1)
         ]
+        for source in SOURCES:
+            for counter in (self.drafts, self.draft_tokens, self.accepted):
+                counter.labels(source)
 
     def observe_step(
         self,
+        plan: StepPlan,
         accept_lens: torch.Tensor,
-        verify_width: int,
         draft_seconds: float,
         verify_seconds: float,
     ) -> None:
         lens = accept_lens.tolist()
-        stats = step_stats(lens, verify_width)
-        self.drafts.inc(stats.num_drafts)
-        self.draft_tokens.inc(stats.num_draft_tokens)
-        self.accepted.inc(stats.num_accepted_tokens)
-        for k, count in enumerate(stats.accepted_per_pos):
-            if count:
-                self._positions[k].inc(count)
+        self.steps.inc()
+        self.request_steps.inc(len(lens))
+        self.step_width.observe(plan.width)
+        self.verify_width.set(plan.width)
+        if plan.width == 1:
+            self.plain_steps.inc()
+        else:
+            self._observe_drafts(plan, lens)
+            self.draft_seconds.observe(draft_seconds)
         for n in lens:
             self.acceptance_length.observe(n + 1)
-        self.draft_seconds.observe(draft_seconds)
         self.verify_seconds.observe(verify_seconds)
-        self.verify_width.set(verify_width)
+
+    def _observe_drafts(self, plan: StepPlan, lens: list[int]) -> None:
+        for source in SOURCES:
+            mine = [n for r, n in enumerate(lens) if plan.source(r) == source]
+            if not mine:
+                continue
+            stats = step_stats(mine, plan.width)
+            self.drafts.labels(source).inc(stats.num_drafts)
+            self.draft_tokens.labels(source).inc(stats.num_draft_tokens)
+            self.accepted.labels(source).inc(stats.num_accepted_tokens)
+            for k, count in enumerate(stats.accepted_per_pos):
+                if count:
+                    self._positions[k].inc(count)
+
+    def observe_step_seconds(self, measured: float, predicted: float) -> None:
+        self.step_seconds.observe(measured)
+        self.predicted_step_seconds.observe(predicted)
 
     def observe_prefill(self, reused_prefix_tokens: int) -> None:
         if reused_prefix_tokens:

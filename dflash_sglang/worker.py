@@ -8,13 +8,18 @@ Plain DFlash drafts only: selector, Domino and LiLiCorr variants are rejected at
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -48,8 +53,12 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils import is_cpu
 
 from dflash_sglang import acceptance, draft_vocab, kv_injection
-from dflash_sglang.block import build_draft_block
+from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
+from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
+from dflash_sglang.options import SpecOptions
+from dflash_sglang.proposals import Planner, StepPlan
+from dflash_sglang.suffix import SuffixIndex, SuffixProposal
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +67,9 @@ logger = logging.getLogger(__name__)
 class StepRecord:
     """What one decode step did; handed to `DFlashXWorker.step_observers` (metrics)."""
 
-    verify_width: int
+    plan: StepPlan  # width, draft on/off, source per request, predicted seconds
     accept_lens: torch.Tensor  # [bs] accepted drafts per request (bonus excluded)
-    draft_seconds: float
+    draft_seconds: float  # proposing: drafter pass (if any) and suffix rows
     verify_seconds: float
 
 
@@ -101,6 +110,19 @@ class DFlashXWorker(DFlashWorkerV2):
             use_torch_paths(self.draft_model)
         _keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
+        self.options = SpecOptions.from_env(os.environ)
+        self.planner = Planner(
+            int(self.block_size),
+            self.options.candidate_widths(int(self.block_size)),
+            CostModel(DEFAULT_CPU_PRIOR),
+            max_match=self.options.suffix_max_match,
+            explore_every=self.options.explore_every,
+            prefer_suffix=self.options.suffix_always,
+        )
+        # Per-request suffix indexes die with their request objects.
+        self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
+        self._last_step: tuple[StepPlan, int, float] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self.metrics: PrometheusMetrics | None = None
         # One exporter per DP group, as SGLang's own scheduler metrics: counters from every
@@ -109,10 +131,11 @@ class DFlashXWorker(DFlashWorkerV2):
             self.metrics = PrometheusMetrics(max_verify_width=int(self.block_size))
             self.step_observers.append(self._export_step)
         logger.info(
-            "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s",
+            "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s %s",
             self.block_size,
             self._mask_token_id,
             type(self.draft_model).__name__,
+            self.options,
         )
 
     # ---- the step -------------------------------------------------------------------------
@@ -130,6 +153,7 @@ class DFlashXWorker(DFlashWorkerV2):
             result = super().forward_batch_generation(
                 batch, on_publish, grammar_barrier, pp_proxy_tensors
             )
+            self._last_step = None  # a prefill's time is not a decode step's
             if self.metrics is not None and batch.prefix_lens:
                 self.metrics.observe_prefill(sum(batch.prefix_lens))
         else:
@@ -142,41 +166,29 @@ class DFlashXWorker(DFlashWorkerV2):
     def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
         draft_input: DFlashDraftInputV2 = batch.spec_info
         bs = len(batch.seq_lens)
-        width = self.verify_width(bs)
         prefix_lens = batch.seq_lens
+        host_lens = self._host_prefix_lens(batch, draft_input)
+        start = self._observe_step_start()
+        plan = self.plan_step(batch, draft_input)
+        self._last_step = (plan, bs, start)
+        width = plan.width
 
-        # --- 1) Block: [bonus, MASK...] at prefix_lens + arange(width), and its KV slots.
-        block_ids, positions_2d = build_draft_block(
-            draft_input.bonus_tokens, prefix_lens, width, int(self._mask_token_id)
-        )
-        cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            start_offset=prefix_lens,
-            end_offset=prefix_lens + width,
-            batch_size=bs,
-            draft_token_num=width,
-            device=self.device,
-        )
-        positions = positions_2d.reshape(-1)
-        kv_loc_plan = self.target_worker.model_runner.kv_index_translator.plan(
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=prefix_lens,
-            seq_lens_cpu=self._host_prefix_lens(batch, draft_input),
-            write_virtual=cache_loc,
-            read_extent=width,
-        )
+        # --- 1) Propose: the DFlash block (drafted at full width, its graphs unchanged) when
+        # any request takes it; suffix proposals replace rows of requests that take them.
+        t0 = time.perf_counter()
+        if plan.run_draft:
+            drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
+        else:
+            drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
+        candidates = assemble_candidates(drafts, plan.suffix, width, int(self._mask_token_id))
+        t1 = time.perf_counter()
 
-        # --- 2) Draft: one non-causal forward over the block, argmax of the target head.
-        t0 = self._clock()
-        draft_tokens = self.draft_block(batch, block_ids, positions, cache_loc, kv_loc_plan)
-        t1 = self._clock()
-
-        # --- 3) Verify: one causal target forward over [anchor, drafts]. The grammar tree is
-        # built first so grammar work overlaps the verify forward.
-        grammar_tree = GrammarTree.from_linear_chain(draft_tokens) if batch.has_grammar else None
+        # --- 2) Verify the first `width` tokens: one causal target forward. The grammar tree
+        # is built first so grammar work overlaps the verify forward.
+        positions, cache_loc, kv_loc_plan = self._block_slots(batch, prefix_lens, host_lens, width)
+        grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
         logits_output, can_run_cuda_graph = self.verify(
-            batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan
+            batch, candidates, positions, cache_loc, kv_loc_plan, host_lens + width
         )
         if grammar_tree is not None:
             build_grammar_vocab_mask(
@@ -187,9 +199,9 @@ class DFlashXWorker(DFlashWorkerV2):
                 barrier=grammar_barrier,
             ).apply(logits_output.next_token_logits)
 
-        # --- 4) Accept the longest matching prefix plus the target's bonus token.
-        accepted = self.accept(draft_tokens, logits_output.next_token_logits, batch, width)
-        t2 = self._clock()
+        # --- 3) Accept the longest matching prefix plus the target's bonus token.
+        accepted = self.accept(candidates, logits_output.next_token_logits, batch, draft_input)
+        t2 = time.perf_counter()
         if batch.return_logprob:
             compute_spec_logprobs(
                 batch, logits_output, accepted.out_tokens.reshape(-1), chain_stride=width
@@ -198,23 +210,13 @@ class DFlashXWorker(DFlashWorkerV2):
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        # --- 5) Inject the committed tokens' target features into the draft KV cache.
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DFLASH_X verify returned no target hidden states")
-        draft_loc = self._draft_write_ids(kv_loc_plan)
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden[: bs * width],
-            cache_loc=draft_loc,
-            positions=positions,
-            cache_loc_2d=draft_loc.view(bs, width),
-            commit_lens=accepted.commit_lens,
-        )
-        logits_output.hidden_states = None
-        if self.step_observers:
-            record = StepRecord(width, accepted.accept_lens, t1 - t0, t2 - t1)
-            for observe in self.step_observers:
-                observe(record)
+        # --- 4) Inject the committed tokens' target features into the draft KV cache,
+        # whichever source proposed them, so the drafter can resume at any step.
+        self._inject_committed(logits_output, kv_loc_plan, positions, accepted, bs, width)
+        self._pending_plans.append(plan)
+        record = StepRecord(plan, accepted.accept_lens, t1 - t0, t2 - t1)
+        for observe in self.step_observers:
+            observe(record)
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -230,13 +232,91 @@ class DFlashXWorker(DFlashWorkerV2):
 
     # ---- seams ----------------------------------------------------------------------------
 
-    def verify_width(self, batch_size: int) -> int:
-        """Tokens verified per request this step (anchor included)."""
-        return int(self.block_size)
+    def plan_step(self, batch: ScheduleBatch, draft_input: DFlashDraftInputV2) -> StepPlan:
+        """Source per request, verify width and draft on/off (`proposals.Planner`).
 
-    def draft_block(self, batch, block_ids, positions, cache_loc, kv_loc_plan) -> torch.Tensor:
-        """Run the drafter on the block; return `[bs, B]` = anchor then B-1 proposals."""
-        bs, width = block_ids.shape
+        Every TP rank sees the same requests and counts but times its own steps, so its
+        planner may choose differently: under TP > 1 rank 0's choice is broadcast.
+        """
+        plan = self.planner.plan(self._suffix_proposals(batch, draft_input))
+        group = get_dp_tp_group()
+        if group.world_size == 1:
+            return plan
+        return plan.with_choice(group.broadcast_object(plan.choice(), src=0))
+
+    def _suffix_proposals(self, batch, draft_input) -> list[SuffixProposal | None]:
+        """Each request's index catches up with its committed text, then looks itself up.
+
+        The text must end at the pending bonus token (the block's anchor): with overlap
+        scheduling `output_ids` trails by one step, and such a request gets no proposal.
+        """
+        if not self.options.suffix:
+            return [None] * len(batch.reqs)
+        bonus = draft_input.bonus_tokens.tolist()
+        out = []
+        for req, anchor in zip(batch.reqs, bonus, strict=True):
+            index = self._suffix_indexes.get(req)
+            if index is None:
+                index = self._suffix_indexes[req] = SuffixIndex(
+                    self.options.suffix_max_match, self.options.max_proposal(self.block_size)
+                )
+            prompt = req.origin_input_ids
+            done = len(index)
+            if done < len(prompt):
+                index.extend(prompt[done:])
+            index.extend(req.output_ids[len(index) - len(prompt) :])
+            at_anchor = req.output_ids and req.output_ids[-1] == anchor
+            out.append(index.propose() if at_anchor else None)
+        return out
+
+    def _observe_step_start(self) -> float:
+        """Step cost for the planner: from one decode step's start to the next, scheduler
+        overhead included (that is what a wider step is traded against). A prefill in
+        between breaks the chain (`forward_batch_generation` clears `_last_step`)."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            plan, bs, start = self._last_step
+            self.planner.observe_seconds(plan, bs, now - start)
+            if self.metrics is not None:
+                self.metrics.observe_step_seconds(now - start, plan.predicted_seconds)
+        return now
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0):
+        """Accepted counts reach the host after the step: feed the planner (one step late)."""
+        if self._pending_plans:
+            plan = self._pending_plans.popleft()
+            if len(plan.suffix) == len(num_correct_drafts_per_req):
+                self.planner.observe(plan, num_correct_drafts_per_req)
+
+    def _block_slots(self, batch, prefix_lens, host_lens, width: int):
+        """Positions, KV slots and the KV-location plan of `width` tokens past each prefix."""
+        bs = prefix_lens.numel()
+        cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            start_offset=prefix_lens,
+            end_offset=prefix_lens + width,
+            batch_size=bs,
+            draft_token_num=width,
+            device=self.device,
+        )
+        offsets = torch.arange(width, dtype=torch.int64, device=prefix_lens.device)
+        positions = (prefix_lens.view(-1, 1).to(torch.int64) + offsets).reshape(-1)
+        kv_loc_plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix_lens,
+            seq_lens_cpu=host_lens,
+            write_virtual=cache_loc,
+            read_extent=width,
+        )
+        return positions, cache_loc, kv_loc_plan
+
+    def draft_block(self, batch, draft_input, prefix_lens, host_lens) -> torch.Tensor:
+        """Run the drafter on `[bonus, MASK x (B-1)]`; return `[bs, B]` = anchor + proposals."""
+        width = int(self.block_size)
+        block_ids = build_draft_block(draft_input.bonus_tokens, width, int(self._mask_token_id))
+        positions, cache_loc, kv_loc_plan = self._block_slots(batch, prefix_lens, host_lens, width)
+        bs = block_ids.shape[0]
         target_model = self.target_worker.model_runner.model
         if self._full_embed_gpu is not None:
             embeds = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
@@ -246,16 +326,16 @@ class DFlashXWorker(DFlashWorkerV2):
         if self._noise_embed_scale != 1.0:
             embeds = embeds * self._noise_embed_scale
 
-        host_lens = self._host_prefix_lens(batch, batch.spec_info) + width
+        seq_lens_cpu = host_lens + width
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             input_ids=block_ids.flatten(),
             req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
+            seq_lens=prefix_lens,
             out_cache_loc=cache_loc,
-            seq_lens_sum=int(host_lens.sum()),
-            seq_lens_cpu=host_lens,
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
             positions=positions,
             input_embeds=embeds.view(-1, embeds.shape[-1]),
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
@@ -298,25 +378,25 @@ class DFlashXWorker(DFlashWorkerV2):
             self._draft_head = weight[self._draft_vocab]
         return self._draft_head, self._draft_vocab
 
-    def verify(self, batch, draft_input, draft_tokens, positions, cache_loc, kv_loc_plan):
-        """Target forward over the chain, capturing the hidden states KV injection needs."""
-        width = draft_tokens.shape[1]
+    def verify(self, batch, candidates, positions, cache_loc, kv_loc_plan, host_seq_lens):
+        """Target forward over the chain, capturing the hidden states KV injection needs.
+
+        `prepare_for_verify` rewrites the batch it is given, so it gets a shallow copy: the
+        caller's batch keeps its draft input, lengths and mode.
+        """
+        width = candidates.shape[1]
         verify_input = DFlashVerifyInput(
-            draft_token=draft_tokens.reshape(-1),
+            draft_token=candidates.reshape(-1),
             positions=positions,
             draft_token_num=width,
             custom_mask=None,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=kv_loc_plan,
         )
-        batch.out_cache_loc = cache_loc
-        saved = batch.seq_lens_cpu, batch.seq_lens_sum
-        host_lens = self._host_prefix_lens(batch, draft_input) + width
-        batch.seq_lens_cpu, batch.seq_lens_sum = host_lens, int(host_lens.sum())
-        try:
-            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        finally:
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        view = copy.copy(batch)
+        view.out_cache_loc = cache_loc
+        view.seq_lens_cpu, view.seq_lens_sum = host_seq_lens, int(host_seq_lens.sum())
+        forward_batch, _ = verify_input.prepare_for_verify(view, self.target_worker)
         out = self.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
@@ -334,9 +414,9 @@ class DFlashXWorker(DFlashWorkerV2):
             )
         return logits_output, out.can_run_cuda_graph
 
-    def accept(self, candidates, logits, batch, width) -> acceptance.Acceptance:
+    def accept(self, candidates, logits, batch, draft_input) -> acceptance.Acceptance:
         """Greedy prefix match, or exact speculative sampling when any request samples."""
-        bs = candidates.shape[0]
+        bs, width = candidates.shape
         info = batch.sampling_info
         if info is None or info.is_all_greedy:
             predict = torch.argmax(logits, dim=-1).view(bs, width)
@@ -347,8 +427,8 @@ class DFlashXWorker(DFlashWorkerV2):
                 candidates=candidates,
                 next_token_logits=logits,
                 sampling_info=info,
-                max_top_k=batch.spec_info.max_top_k,
-                uniform_top_k_value=batch.spec_info.uniform_top_k_value,
+                max_top_k=draft_input.max_top_k,
+                uniform_top_k_value=draft_input.uniform_top_k_value,
             )
         else:
             accepted = self._sample_accept_torch(candidates, logits, info, width)
@@ -373,6 +453,20 @@ class DFlashXWorker(DFlashWorkerV2):
         # Greedy rows in a mixed batch have top_k == 1: a one-hot p accepts iff draft == argmax.
         coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
         return acceptance.sampled_accept(candidates, probs, coins, self._generator)
+
+    def _inject_committed(self, logits_output, kv_loc_plan, positions, accepted, bs, width):
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DFLASH_X verify returned no target hidden states")
+        draft_loc = self._draft_write_ids(kv_loc_plan)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden[: bs * width],
+            cache_loc=draft_loc,
+            positions=positions,
+            cache_loc_2d=draft_loc.view(bs, width),
+            commit_lens=accepted.commit_lens,
+        )
+        logits_output.hidden_states = None
 
     def _append_target_hidden_to_draft_kv_by_loc(
         self,
@@ -414,14 +508,8 @@ class DFlashXWorker(DFlashWorkerV2):
 
     def _export_step(self, record: StepRecord) -> None:
         self.metrics.observe_step(
-            record.accept_lens, record.verify_width, record.draft_seconds, record.verify_seconds
+            record.plan, record.accept_lens, record.draft_seconds, record.verify_seconds
         )
-
-    def _clock(self) -> float:
-        """Wall time for step observers; synchronises the device only when someone observes."""
-        if self.step_observers and str(self.device).startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     @staticmethod
     def _host_prefix_lens(batch: ScheduleBatch, draft_input: DFlashDraftInputV2) -> torch.Tensor:

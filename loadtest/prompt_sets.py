@@ -13,12 +13,14 @@ LOADERS: dict[str, Callable[[], list[str]]] = {
     "mt_bench": datasets.mt_bench,
     "humaneval": datasets.humaneval,
     "sharegpt": lambda: datasets.sharegpt(SHAREGPT_POOL),
+    "math": datasets.math_problems,
+    "summaries": datasets.summaries,
 }
 CHOICES = (*LOADERS, "mixed")
 
 
 def load_prompts(dataset: str, *, seed: int, max_chars: int) -> list[str]:
-    """Prompts of at most `max_chars`, shuffled; `mixed` alternates the three sets."""
+    """Prompts of at most `max_chars`, shuffled; `mixed` alternates all the sets."""
     if dataset not in CHOICES:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(CHOICES)}")
     names = list(LOADERS) if dataset == "mixed" else [dataset]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-DRAFTS = "dflash_num_drafts_total"
-ACCEPTED = "dflash_num_accepted_tokens_total"
+from dflash_sglang import metrics
+
 _CUMULATIVE_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
 
 
@@ -68,5 +68,4 @@ def total(deltas: dict[str, float], name: str) -> float:
 
 
 def tau(deltas: dict[str, float]) -> float | None:
-    drafts = total(deltas, DRAFTS)
-    return 1.0 + total(deltas, ACCEPTED) / drafts if drafts > 0 else None
+    return metrics.tau(total(deltas, metrics.ACCEPTED), total(deltas, metrics.DRAFTS))

@@ -111,7 +111,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "--dataset",
         choices=prompt_sets.CHOICES,
         default="mt_bench",
-        help="real prompts: MT-Bench, HumanEval, ShareGPT, or all three alternating",
+        help="real prompts: MT-Bench, HumanEval, ShareGPT, ASDiv math, XSum summaries, or all "
+        "of them alternating",
     )
     p.add_argument(
         "--max-prompt-chars",

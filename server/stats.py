@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Query
 
+from dflash_sglang import metrics
+from dflash_sglang.proposals import SOURCES
+
 logger = logging.getLogger(__name__)
 
 GENERATED_TOKENS = "sglang:generation_tokens_total"
@@ -33,40 +36,65 @@ class Snapshot:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    drafts_by_source: dict[str, float] = field(default_factory=dict)
+    accepted_by_source: dict[str, float] = field(default_factory=dict)
+    request_steps: float = 0.0
+    steps: float = 0.0
+    plain_steps: float = 0.0
+    width_sum: float = 0.0  # of the per-step verify width histogram
     generated_tokens: float = 0.0
     verify_width: float | None = None
 
     def tokens_since(self, old: Snapshot) -> float:
         """Output tokens after `old`. SGLang's generation counter moves only when a request
-        finishes; each speculative step emits accepted + 1 tokens as it happens, so with
-        speculation on the step counters give a rate that does not jump at request ends."""
-        if self.drafts > 0:
-            return (self.drafts + self.accepted) - (old.drafts + old.accepted)
+        finishes; each speculative request-step emits accepted + 1 tokens as it happens, so
+        with speculation on the step counters give a rate that does not jump at request ends."""
+        if self.request_steps > 0:
+            return (self.request_steps + self.accepted) - (old.request_steps + old.accepted)
         return self.generated_tokens - old.generated_tokens
+
+
+_TOTALS = {
+    metrics.DRAFTS: "drafts",
+    metrics.DRAFT_TOKENS: "draft_tokens",
+    metrics.ACCEPTED: "accepted",
+    metrics.REQUEST_STEPS: "request_steps",
+    metrics.STEPS: "steps",
+    metrics.PLAIN_STEPS: "plain_steps",
+    metrics.STEP_WIDTH + "_sum": "width_sum",
+    GENERATED_TOKENS: "generated_tokens",
+}
 
 
 def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) -> Snapshot:
     """Fold Prometheus samples (name, labels, value) into one snapshot; labels are summed."""
     totals: dict[str, float] = {}
     per_pos: dict[int, float] = {}
+    by_source: dict[str, dict[str, float]] = {metrics.DRAFTS: {}, metrics.ACCEPTED: {}}
     width = None
     for name, labels, value in samples:
-        if name == "dflash_num_accepted_tokens_per_pos_total":
+        if name == metrics.ACCEPTED_PER_POS:
             k = int(labels["position"])
             per_pos[k] = per_pos.get(k, 0.0) + value
-        elif name == "dflash_verify_width":
+        elif name == metrics.VERIFY_WIDTH:
             width = value
-        else:
-            totals[name] = totals.get(name, 0.0) + value
+        elif name in _TOTALS:
+            totals[_TOTALS[name]] = totals.get(_TOTALS[name], 0.0) + value
+        if name in by_source and "source" in labels:
+            source = by_source[name]
+            source[labels["source"]] = source.get(labels["source"], 0.0) + value
     return Snapshot(
         time=now,
-        drafts=totals.get("dflash_num_drafts_total", 0.0),
-        draft_tokens=totals.get("dflash_num_draft_tokens_total", 0.0),
-        accepted=totals.get("dflash_num_accepted_tokens_total", 0.0),
         accepted_per_pos=per_pos,
-        generated_tokens=totals.get(GENERATED_TOKENS, 0.0),
+        drafts_by_source=by_source[metrics.DRAFTS],
+        accepted_by_source=by_source[metrics.ACCEPTED],
         verify_width=width,
+        **totals,
     )
+
+
+def _delta(new: dict[str, float], old: dict[str, float], key: str) -> float:
+    return new.get(key, 0.0) - old.get(key, 0.0)
 
 
 def summarize(new: Snapshot, old: Snapshot | None) -> dict:
@@ -75,11 +103,23 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
     drafts = new.drafts - base.drafts
     accepted = new.accepted - base.accepted
     draft_tokens = new.draft_tokens - base.draft_tokens
+    steps = new.steps - base.steps
     seconds = new.time - base.time
     positions = sorted(new.accepted_per_pos)
     return {
-        "request_steps": drafts,
-        "tau": 1.0 + accepted / drafts if drafts else None,
+        "request_steps": new.request_steps - base.request_steps,
+        "tau": metrics.tau(accepted, drafts),
+        "tau_by_source": {
+            source: metrics.tau(
+                _delta(new.accepted_by_source, base.accepted_by_source, source),
+                _delta(new.drafts_by_source, base.drafts_by_source, source),
+            )
+            for source in SOURCES
+        },
+        "drafts_by_source": {
+            source: _delta(new.drafts_by_source, base.drafts_by_source, source)
+            for source in SOURCES
+        },
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "acceptance_by_position": [
             (new.accepted_per_pos[k] - base.accepted_per_pos.get(k, 0.0)) / drafts
@@ -93,19 +133,22 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         ),
         "seconds": seconds if old is not None else None,
         "verify_width": new.verify_width,
+        "mean_verify_width": (new.width_sum - base.width_sum) / steps if steps else None,
+        "speculation_off_share": (new.plain_steps - base.plain_steps) / steps if steps else None,
     }
 
 
 def oldest_within_steps(history: list[Snapshot], new: Snapshot, steps: int) -> Snapshot | None:
     """The latest snapshot at least `steps` request-steps before `new` (else the oldest)."""
     for snap in reversed(history):
-        if new.drafts - snap.drafts >= steps:
+        if new.request_steps - snap.request_steps >= steps:
             return snap
     return history[0] if history else None
 
 
 def series(snapshots: list[Snapshot], step_s: float) -> list[dict]:
-    """Throughput and τ per interval of at least `step_s` seconds, oldest first.
+    """Per interval of at least `step_s` seconds, oldest first: throughput, τ, mean verify
+    width and the share of steps with speculation off.
 
     Intervals are measured between recorded snapshots, so a missed sample widens one
     interval instead of inventing a spike.
@@ -116,12 +159,16 @@ def series(snapshots: list[Snapshot], step_s: float) -> list[dict]:
         seconds = snap.time - start.time
         if seconds < step_s:
             continue
-        drafts = snap.drafts - start.drafts
+        steps = snap.steps - start.steps
         points.append(
             {
                 "time": snap.time,
                 "output_tokens_per_s": snap.tokens_since(start) / seconds,
-                "tau": 1.0 + (snap.accepted - start.accepted) / drafts if drafts else None,
+                "tau": metrics.tau(snap.accepted - start.accepted, snap.drafts - start.drafts),
+                "mean_verify_width": (snap.width_sum - start.width_sum) / steps if steps else None,
+                "speculation_off_share": (
+                    (snap.plain_steps - start.plain_steps) / steps if steps else None
+                ),
             }
         )
         start = snap

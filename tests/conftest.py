@@ -20,7 +20,7 @@ from tests.fixtures import (  # noqa: E402
     steer_token_zero,
     zero_final_norm,
 )
-from tests.server import Server  # noqa: E402
+from tests.server import PURE_DFLASH, Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +76,9 @@ def _half_server(half_models, tmp_path_factory, name: str, extra: list[str]):
 
 @pytest.fixture(scope="session")
 def live_dflash(half_models, tmp_path_factory):
-    """One DFLASH_X server (metrics on) shared by every test that only reads from it."""
-    draft = ["--speculative-draft-model-path", str(half_models["draft"])]
+    """One DFLASH_X server (metrics on, whole block every step) shared by every test that
+    only reads from it."""
+    draft = ["--speculative-draft-model-path", str(half_models["draft"]), *PURE_DFLASH]
     yield from _half_server(half_models, tmp_path_factory, "live_dflash", draft)
 
 

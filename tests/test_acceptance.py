@@ -1,13 +1,13 @@
 import torch
 
 from dflash_sglang import acceptance
-from dflash_sglang.block import build_draft_block
+from dflash_sglang.block import assemble_candidates, build_draft_block
+from dflash_sglang.suffix import SuffixProposal
 
 
-def test_block_is_anchor_then_masks_at_absolute_positions():
-    ids, pos = build_draft_block(torch.tensor([7, 9]), torch.tensor([3, 10]), 4, mask_token_id=99)
+def test_block_is_anchor_then_masks():
+    ids = build_draft_block(torch.tensor([7, 9]), 4, mask_token_id=99)
     assert ids.tolist() == [[7, 99, 99, 99], [9, 99, 99, 99]]
-    assert pos.tolist() == [[3, 4, 5, 6], [10, 11, 12, 13]]
 
 
 def test_greedy_accepts_matching_prefix_and_takes_bonus_at_first_mismatch():
@@ -67,3 +67,41 @@ def test_sampling_probs_top_k_top_p_min_p():
     assert torch.allclose(probs[1], _probs([0.625, 0.375, 0, 0]))
     assert torch.allclose(probs[2], _probs([0.625, 0.375, 0, 0]))
     assert torch.allclose(probs[3], _probs([0.5, 0.3, 0.15, 0]) / 0.95)
+
+
+def _suffix(*tokens: int) -> SuffixProposal:
+    return SuffixProposal(tokens, match_len=2, count=1)
+
+
+def test_assemble_candidates_replaces_the_rows_that_take_a_suffix_proposal():
+    drafts = torch.tensor([[5, 1, 2, 3], [6, 1, 2, 3], [7, 1, 2, 3]])
+    out = assemble_candidates(drafts, [_suffix(40, 41, 42), None, _suffix(50, 51, 52, 53)], 4, 0)
+    assert out.tolist() == [[5, 40, 41, 42], [6, 1, 2, 3], [7, 50, 51, 52]]
+
+
+def test_assemble_candidates_keeps_drafter_tokens_past_a_short_proposal():
+    drafts = torch.tensor([[5, 1, 2, 3], [6, 1, 2, 3]])
+    out = assemble_candidates(drafts, [_suffix(40), None], 3, 0)
+    assert out.tolist() == [[5, 40, 2], [6, 1, 2]]
+
+
+def test_assemble_candidates_pads_when_the_drafter_did_not_run():
+    anchors = torch.tensor([[5], [6]])
+    out = assemble_candidates(anchors, [_suffix(40, 41), None], 4, pad_token=99)
+    assert out.tolist() == [[5, 40, 41, 99], [6, 99, 99, 99]]
+    assert out.dtype == anchors.dtype
+
+
+def test_assemble_candidates_at_width_1_is_the_anchor_alone():
+    drafts = torch.tensor([[5, 1, 2], [6, 1, 2]])
+    assert assemble_candidates(drafts, [_suffix(40), None], 1, 0).tolist() == [[5], [6]]
+    anchors = torch.tensor([[5], [6]])
+    assert assemble_candidates(anchors, [_suffix(40), None], 1, 0).tolist() == [[5], [6]]
+
+
+def test_assemble_candidates_leaves_the_drafts_untouched():
+    drafts = torch.tensor([[5, 1, 2, 3], [6, 1, 2, 3]])
+    before = drafts.clone()
+    out = assemble_candidates(drafts, [_suffix(40, 41, 42), _suffix(50)], 4, 0)
+    assert out.tolist() == [[5, 40, 41, 42], [6, 50, 2, 3]]
+    assert torch.equal(drafts, before)

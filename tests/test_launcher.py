@@ -100,6 +100,21 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
             lambda m, t: ["--model-path", str(m["target"]), "--max-total-tokens", "lots"],
             "--max-total-tokens",
         ),
+        (lambda m, t: ["--dflash-widths", "1,x"], "--dflash-widths"),
+        (lambda m, t: ["--dflash-adaptive", "maybe"], "--dflash-adaptive"),
+        (lambda m, t: ["--dflash-suffix-max-match", "0"], "--dflash-suffix-max-match"),
+        (
+            # The tiny draft's block is 4: a width of 8 cannot be verified.
+            lambda m, t: [
+                "--model-path",
+                str(m["target"]),
+                "--speculative-draft-model-path",
+                str(m["draft"]),
+                "--dflash-widths",
+                "1,8",
+            ],
+            "--dflash-widths 8 exceeds the block size 4",
+        ),
     ],
 )
 def test_bad_launches_fail_fast_naming_the_problem(models, tmp_path, make_args, message):
@@ -120,5 +135,5 @@ def _bad_draft(models, tmp_path):
 def test_help_shows_ours_and_sglangs():
     done = _launch("--help")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "--dflash-cache-dir" in done.stdout
+    assert "--dflash-cache-dir" in done.stdout and "--dflash-adaptive" in done.stdout
     assert "--speculative-algorithm" in done.stdout and "--max-total-tokens" in done.stdout

@@ -18,9 +18,9 @@ def test_counters_are_consistent_with_meta_info(live_dflash):
     ]
     after = scrape(live_dflash)
 
-    drafts = delta(after, before, "dflash_num_drafts_total")
-    drafted = delta(after, before, "dflash_num_draft_tokens_total")
-    accepted = delta(after, before, "dflash_num_accepted_tokens_total")
+    drafts = delta(after, before, "dflash_num_drafts_total", source="dflash")
+    drafted = delta(after, before, "dflash_num_draft_tokens_total", source="dflash")
+    accepted = delta(after, before, "dflash_num_accepted_tokens_total", source="dflash")
     per_pos = [
         delta(after, before, "dflash_num_accepted_tokens_per_pos_total", position=str(k))
         for k in range(BLOCK - 1)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from dflash_sglang.loadtest import server_metrics
 from tests.prompts import LONG, SHARED_PREFIX, SHORT
 from tests.server import Server, ar_and_dflash
 
@@ -164,3 +165,80 @@ def test_constrained_decoding_and_logprobs_match_plain_decoding(servers):
     d_lp = [x[0] for x in d["meta_info"]["output_token_logprobs"]]
     assert len(d_lp) == 8
     assert max(abs(x - y) for x, y in zip(a_lp, d_lp, strict=True)) < 1e-3
+
+
+# --- Adaptive width and the suffix source, against the same AR server -------------------
+
+# Texts that repeat themselves: suffix lookup finds matches in the prompt at once.
+REPETITIVE = [" ".join([SHORT[i]] * 4) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def variants(models, servers, tmp_path_factory):
+    """DFLASH_X pinned to plain decoding (width 1), and with suffix proposals taken whenever
+    one exists while the width changes every other step (exploration every 2 steps)."""
+    logs = tmp_path_factory.mktemp("variant_logs")
+    common = ["--model-path", str(models["target"]), "--dtype", "float32"]
+    common += ["--max-total-tokens", POOL_TOKENS, "--speculative-draft-model-path"]
+    common += [str(models["draft"])]
+    plain = Server([*common, "--dflash-widths", "1"], logs / "plain.log")
+    try:
+        mixed = Server(
+            [*common, "--dflash-suffix", "always", "--dflash-widths", "1,2,3,4"]
+            + ["--dflash-explore-every", "2"],
+            logs / "mixed.log",
+        )
+    except Exception:
+        plain.stop()
+        raise
+    yield {"plain": plain, "mixed": mixed}
+    plain.stop()
+    mixed.stop()
+
+
+def test_width_one_throughout_is_lossless_and_never_drafts(servers, variants):
+    ar, _ = servers
+    plain = variants["plain"]
+    before = server_metrics.scrape(plain.url)
+    for text in SHORT[:6] + REPETITIVE[:2]:
+        assert _ids(plain, text) == _ids(ar, text), text
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(plain.url))
+    steps = server_metrics.total(deltas, "dflash_num_steps_total")
+    assert steps > 0
+    assert server_metrics.total(deltas, "dflash_num_plain_steps_total") == steps
+    assert server_metrics.total(deltas, "dflash_num_drafts_total") == 0
+    assert server_metrics.total(deltas, "dflash_draft_seconds_count") == 0
+
+
+def test_suffix_proposals_and_changing_widths_are_lossless(servers, variants):
+    ar, _ = servers
+    mixed = variants["mixed"]
+    before = server_metrics.scrape(mixed.url)
+    for text in SHORT[:6] + REPETITIVE:
+        assert _ids(mixed, text) == _ids(ar, text), text
+    texts = REPETITIVE + SHORT[6:10]  # concurrent: some rows suffix, some DFlash
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: _ids(mixed, t), texts))
+    assert got == [_ids(ar, t) for t in texts]
+    first = mixed.generate(REPETITIVE[0], max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert first["meta_info"]["cached_tokens"] > 0  # a radix hit, same output
+    assert first["output_ids"] == _ids(ar, REPETITIVE[0])
+
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(mixed.url))
+    for source in ("dflash", "suffix"):
+        key = server_metrics.sample_key("dflash_num_drafts_total", {"source": source})
+        assert deltas.get(key, 0) > 0, f"no {source} proposal was verified"
+    buckets = [
+        server_metrics.total(deltas, f'dflash_step_verify_width_bucket{{le="{w:.1f}"}}')
+        for w in (1, 2, 3, 4)
+    ]
+    steps_at = [b - a for a, b in zip([0.0, *buckets[:-1]], buckets, strict=True)]
+    assert sum(1 for n in steps_at if n > 0) >= 3, f"steps per width 1..4: {steps_at}"
+
+
+def test_suffix_proposals_keep_sampling_valid(variants):
+    mixed = variants["mixed"]
+    for params in ({"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "min_p": 0.05}):
+        out = mixed.generate(REPETITIVE[1], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
+        assert len(out["output_ids"]) == MAX_NEW
+        assert all(0 <= t < 512 for t in out["output_ids"])

@@ -7,7 +7,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.prompts import SHORT
-from tests.server import Server
+from tests.server import PURE_DFLASH, Server
 
 pytestmark = pytest.mark.server
 BLOCK = 4
@@ -41,6 +41,7 @@ def echo_server(echo_models, tmp_path_factory):
             "4096",
             "--speculative-draft-model-path",
             str(echo_models["draft"]),
+            *PURE_DFLASH,
         ],
         tmp_path_factory.mktemp("echo_logs") / "echo.log",
     )
@@ -57,9 +58,16 @@ def test_counters_match_known_full_acceptance(echo_server):
     after = scrape(echo_server)
     steps = sum(m["spec_verify_ct"] for m in metas)
     assert steps == 4 * 5
-    assert delta(after, before, "dflash_num_drafts_total") == steps
-    assert delta(after, before, "dflash_num_draft_tokens_total") == steps * (BLOCK - 1)
-    assert delta(after, before, "dflash_num_accepted_tokens_total") == steps * (BLOCK - 1)
+    dflash = {"source": "dflash"}
+    assert delta(after, before, "dflash_num_drafts_total", **dflash) == steps
+    assert delta(after, before, "dflash_num_draft_tokens_total", **dflash) == steps * (BLOCK - 1)
+    assert delta(after, before, "dflash_num_accepted_tokens_total", **dflash) == steps * (BLOCK - 1)
+    assert delta(after, before, "dflash_num_drafts_total", source="suffix") == 0
+    assert delta(after, before, "dflash_num_request_steps_total") == steps
+    assert delta(after, before, "dflash_num_plain_steps_total") == 0
+    # One request at a time: a decode step per request-step, each verifying the whole block.
+    assert delta(after, before, "dflash_num_steps_total") == steps
+    assert delta(after, before, "dflash_step_verify_width_sum") == steps * BLOCK
     for k in range(BLOCK - 1):
         assert (
             delta(after, before, "dflash_num_accepted_tokens_per_pos_total", position=str(k))

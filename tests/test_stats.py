@@ -9,15 +9,25 @@ from dflash_sglang.server.stats import (
 )
 
 
-def _samples(drafts, accepted, per_pos, generated):
+def _samples(drafts, accepted, per_pos, generated, steps=None, plain=0, suffix=(0, 0)):
+    """One scrape: `drafts`/`accepted` by the DFlash block, `suffix` = (drafts, accepted) by
+    suffix lookup, `plain` request-steps at width 1 (one request per step)."""
+    request_steps = drafts + suffix[0] + plain
     return [
-        ("dflash_num_drafts_total", {}, drafts),
-        ("dflash_num_draft_tokens_total", {}, drafts * 3),
-        ("dflash_num_accepted_tokens_total", {}, accepted),
+        ("dflash_num_drafts_total", {"source": "dflash"}, drafts),
+        ("dflash_num_drafts_total", {"source": "suffix"}, suffix[0]),
+        ("dflash_num_draft_tokens_total", {"source": "dflash"}, drafts * 3),
+        ("dflash_num_draft_tokens_total", {"source": "suffix"}, suffix[0] * 3),
+        ("dflash_num_accepted_tokens_total", {"source": "dflash"}, accepted),
+        ("dflash_num_accepted_tokens_total", {"source": "suffix"}, suffix[1]),
         *[
             ("dflash_num_accepted_tokens_per_pos_total", {"position": str(k)}, v)
             for k, v in enumerate(per_pos)
         ],
+        ("dflash_num_request_steps_total", {}, request_steps),
+        ("dflash_num_steps_total", {}, request_steps if steps is None else steps),
+        ("dflash_num_plain_steps_total", {}, plain),
+        ("dflash_step_verify_width_sum", {}, 4.0 * (drafts + suffix[0]) + plain),
         ("sglang:generation_tokens_total", {"model_name": "m"}, generated),
         ("dflash_verify_width", {}, 4.0),
     ]
@@ -35,36 +45,78 @@ def test_since_start_and_window():
     assert window["request_steps"] == 20
     assert window["tau"] == pytest.approx(1 + 10 / 20)
     assert window["acceptance_by_position"] == pytest.approx([8 / 20, 2 / 20, 0.0])
-    # With speculation, tokens/s counts what steps emit (drafts + accepted), not finishes.
+    # With speculation, tokens/s counts what steps emit (request-steps + accepted).
     assert window["output_tokens_per_s"] == pytest.approx((20 + 10) / 10)
+    assert window["mean_verify_width"] == 4.0 and window["speculation_off_share"] == 0.0
+
+
+def test_tau_per_source_plain_steps_and_mean_width():
+    old = snapshot_from_samples(_samples(10, 5, [5], 0), now=0.0)
+    new = snapshot_from_samples(_samples(20, 10, [12], 0, plain=10, suffix=(10, 20)), now=10.0)
+    window = summarize(new, old)
+    assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0}
+    assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10}
+    assert window["tau"] == pytest.approx(1 + 25 / 20)
+    # 30 steps: 20 at width 4, 10 at width 1 (speculation off).
+    assert window["mean_verify_width"] == pytest.approx(90 / 30)
+    assert window["speculation_off_share"] == pytest.approx(10 / 30)
+    # Every request-step emits its accepted tokens plus a bonus, width 1 included.
+    assert window["output_tokens_per_s"] == pytest.approx((30 + 25) / 10)
 
 
 def test_window_picks_the_latest_snapshot_far_enough_back():
-    history = [Snapshot(time=t, drafts=d) for t, d in [(1, 0), (2, 50), (3, 90), (4, 99)]]
-    new = Snapshot(time=5, drafts=100)
-    assert oldest_within_steps(history, new, 10).drafts == 90
-    assert oldest_within_steps(history, new, 60).drafts == 0
-    assert oldest_within_steps(history, new, 1000).drafts == 0
+    history = [Snapshot(time=t, request_steps=d) for t, d in [(1, 0), (2, 50), (3, 90), (4, 99)]]
+    new = Snapshot(time=5, request_steps=100)
+    assert oldest_within_steps(history, new, 10).request_steps == 90
+    assert oldest_within_steps(history, new, 60).request_steps == 0
+    assert oldest_within_steps(history, new, 1000).request_steps == 0
     assert oldest_within_steps([], new, 10) is None
 
 
 def test_nothing_drafted_gives_no_ratios():
     empty = summarize(Snapshot(time=1.0), None)
     assert empty["tau"] is None and empty["acceptance_rate"] is None
+    assert empty["tau_by_source"] == {"dflash": None, "suffix": None}
 
 
 def test_series_rates_between_recorded_snapshots():
     snaps = [
         Snapshot(time=0.0),
-        Snapshot(time=1.0, drafts=2, accepted=2, generated_tokens=10),
-        Snapshot(time=2.0, drafts=4, accepted=6, generated_tokens=30),
-        Snapshot(time=5.0, drafts=4, accepted=6, generated_tokens=30),
+        Snapshot(time=1.0, drafts=2, accepted=2, request_steps=2, generated_tokens=10),
+        Snapshot(
+            time=2.0,
+            drafts=4,
+            accepted=6,
+            request_steps=6,
+            steps=6,
+            plain_steps=2,
+            width_sum=18,
+            generated_tokens=30,
+        ),
+        Snapshot(
+            time=5.0,
+            drafts=4,
+            accepted=6,
+            request_steps=6,
+            steps=6,
+            plain_steps=2,
+            width_sum=18,
+            generated_tokens=30,
+        ),
     ]
     points = series(snaps, step_s=2.0)
     assert [p["time"] for p in points] == [2.0, 5.0]
-    assert points[0]["output_tokens_per_s"] == pytest.approx((4 + 6) / 2)
+    assert points[0]["output_tokens_per_s"] == pytest.approx((6 + 6) / 2)
     assert points[0]["tau"] == pytest.approx(1 + 6 / 4)
-    assert points[1] == {"time": 5.0, "output_tokens_per_s": 0.0, "tau": None}
+    assert points[0]["mean_verify_width"] == 3.0
+    assert points[0]["speculation_off_share"] == pytest.approx(2 / 6)
+    assert points[1] == {
+        "time": 5.0,
+        "output_tokens_per_s": 0.0,
+        "tau": None,
+        "mean_verify_width": None,
+        "speculation_off_share": None,
+    }
     assert series(snaps[:1], step_s=1.0) == []
 
 

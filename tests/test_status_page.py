@@ -32,7 +32,10 @@ def test_status_page_renders_live_stats(live_dflash, tmp_path):
     assert 'data-ready="1"' in dom, "the page's script never rendered the stats"
     assert _text(dom, "tau") == f"{stats['window']['tau']:.2f}"
     assert _text(dom, "tau-start") == f"{stats['since_start']['tau']:.2f}"
-    assert _text(dom, "verify-width") == "8"
+    # The live server verifies the whole block (8) every step, DFlash only.
+    assert _text(dom, "verify-width") == "8.0" and _text(dom, "width-last") == "8"
+    assert _text(dom, "spec-off") == "0.0%"
+    assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / –"
     positions = len(stats["since_start"]["acceptance_by_position"])
     assert positions == 7
     assert dom.count('class="bar window"') == positions
@@ -55,5 +58,8 @@ def test_series_reports_throughput_over_time(live_dflash):
     assert body["step_s"] == 1 and len(points) >= 2
     assert any(p["output_tokens_per_s"] > 0 for p in points)
     assert all(p["tau"] is None or p["tau"] >= 1 for p in points)
+    widths = [p["mean_verify_width"] for p in points if p["mean_verify_width"] is not None]
+    assert widths and all(w == 8 for w in widths)
+    assert all(p["speculation_off_share"] in (None, 0) for p in points)
     bad = requests.get(live_dflash.url + "/dflash/stats/series?step_s=0", timeout=30)
     assert 400 <= bad.status_code < 500 and "step_s" in bad.text

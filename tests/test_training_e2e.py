@@ -14,7 +14,7 @@ from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.__main__ import main
 from dflash_sglang.training.data import read_samples
 from dflash_sglang.training.model import DFlashDrafter
-from tests.server import Server
+from tests.server import PURE_DFLASH, Server
 
 pytestmark = pytest.mark.server
 PROMPTS, NEW = 16, 40
@@ -54,7 +54,8 @@ def _serve_and_compare(run, drafter_dir, samples, log_path) -> None:
     """Serve `drafter_dir` under DFLASH_X (SGLang's upstream DFlashDraftModel loads it) and
     check the server accepts exactly what the reference loop accepts, request by request."""
     args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
-    server = Server([*args, "--speculative-draft-model-path", str(drafter_dir)], log_path)
+    draft = ["--speculative-draft-model-path", str(drafter_dir), *PURE_DFLASH]
+    server = Server([*args, *draft], log_path)
     try:
         target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
         decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir))

@@ -60,6 +60,7 @@ def through_server(
 ) -> dict:
     """τ from the server's counters; with `baseline_url` (plain decoding, same build) each
     prompt also runs there, alternating which goes first, so machine noise hits both alike."""
+    from dflash_sglang import metrics
     from dflash_sglang.loadtest import server_metrics
 
     before = server_metrics.scrape(url)
@@ -76,7 +77,7 @@ def through_server(
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(url))
     entry = {
         "tau": server_metrics.tau(deltas),
-        "steps": int(server_metrics.total(deltas, server_metrics.DRAFTS)),
+        "steps": int(server_metrics.total(deltas, metrics.DRAFTS)),
         "output_tokens": tokens,
         "tokens_per_s": tokens / seconds["dflash"],
         "histogram": histogram_from_buckets(deltas, block_size),

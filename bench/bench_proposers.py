@@ -1,0 +1,187 @@
+"""Plain decoding vs DFLASH_X's proposal sources and adaptive width, interleaved, per prompt set.
+
+    python bench/bench_proposers.py [--draft DIR|random] [--arms ar,dx,fixed] \
+        [--concurrency 1,4,16] [--sets mt_bench,humaneval,math,summaries] [--out F.json]
+
+All arms serve the embedded target (bf16, CPU) with the same drafter (default: the bundled
+one); each (level, set) sends the same held-out prompts to every arm in turn, so machine
+noise hits all arms alike. Arms:
+  ar        --speculative-algorithm NONE
+  dx        DFLASH_X as launched by default (adaptive width, suffix lookup on)
+  adaptive  adaptive width, DFlash block only (--dflash-suffix off)
+  fixed     the whole block every step, DFlash only (--dflash-adaptive off --dflash-suffix off)
+τ per source comes from the servers' `dflash_*` counters (before/after each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_sglang.loadtest import server_metrics
+from dflash_sglang.managed_server import Server
+from dflash_sglang.metrics import ACCEPTED, DRAFTS, PLAIN_STEPS, STEPS, tau
+from dflash_sglang.proposals import SOURCES
+
+ARMS = {
+    "ar": ["--speculative-algorithm", "NONE"],
+    "dx": [],
+    "adaptive": ["--dflash-suffix", "off"],
+    "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
+}
+SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
+
+
+def prompt_sets(names: list[str], tokenizer, count: int, max_prompt_tokens: int) -> dict:
+    from dflash_sglang import datasets
+
+    loaders = {
+        "mt_bench": datasets.mt_bench,
+        "humaneval": datasets.humaneval,
+        "math": datasets.math_problems,
+        "summaries": datasets.summaries,
+    }
+    out = {}
+    for name in names:
+        ids = (chat_ids(tokenizer, text) for text in loaders[name]())
+        out[name] = [p for p in ids if len(p) <= max_prompt_tokens][:count]
+    return out
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    chat = [{"role": "user", "content": text}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def run(server: Server, prompts: list[list[int]], concurrency: int, max_new: int) -> dict:
+    """Output tok/s over `prompts` at `concurrency`, and the server's counter deltas."""
+    before = server_metrics.scrape(server.url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        metas = list(
+            pool.map(
+                lambda ids: server.generate(input_ids=ids, max_new_tokens=max_new)["meta_info"],
+                prompts,
+            )
+        )
+    elapsed = time.perf_counter() - start
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
+    tokens = sum(m["completion_tokens"] for m in metas)
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, **counts(deltas)}
+
+
+def counts(deltas: dict[str, float]) -> dict:
+    """τ overall and per source, and the share of steps with speculation off."""
+
+    def by_source(name: str, source: str) -> float:
+        return deltas.get(server_metrics.sample_key(name, {"source": source}), 0.0)
+
+    total = server_metrics.total
+    steps = total(deltas, STEPS)
+    return {
+        "tau": tau(total(deltas, ACCEPTED), total(deltas, DRAFTS)),
+        "tau_by_source": {s: tau(by_source(ACCEPTED, s), by_source(DRAFTS, s)) for s in SOURCES},
+        "drafts_by_source": {s: by_source(DRAFTS, s) for s in SOURCES},
+        "plain_step_share": total(deltas, PLAIN_STEPS) / steps if steps else None,
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--draft", help="drafter dir, or 'random' (default: the bundled drafter)")
+    ap.add_argument("--arms", default="ar,dx,fixed")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--sets", default=",".join(SET_NAMES))
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per set at concurrency 1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
+    ap.add_argument("--out", help="write the JSON result here")
+    args = ap.parse_args()
+    for flag, value, allowed in (("--arms", args.arms, ARMS), ("--sets", args.sets, SET_NAMES)):
+        bad = [v for v in value.split(",") if v not in allowed]
+        if bad:
+            ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return args
+
+
+def drafter(choice: str | None, target: Path, work: Path) -> str:
+    from dflash_sglang import default_model
+    from dflash_sglang.checkpoint import write_random_draft
+    from dflash_sglang.drafters import default_draft_dir
+
+    if choice == "random":
+        path = write_random_draft(
+            target,
+            work / "draft",
+            mask_token_id=default_model.MASK_TOKEN_ID,
+            intermediate_size=1536,
+        )
+        return str(path)
+    return choice or str(default_draft_dir())
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    from dflash_sglang.default_model import ensure_default_target
+
+    target = ensure_default_target()
+    work = Path(tempfile.mkdtemp(prefix="dflash_bench_"))
+    draft = drafter(args.draft, target, work)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    sets = prompt_sets(
+        args.sets.split(","), tokenizer, args.prompts * max(levels), args.max_prompt_tokens
+    )
+    common = ["--model-path", str(target), "--max-total-tokens", "65536"]
+    common += ["--speculative-draft-model-path", draft]
+    servers: dict[str, Server] = {}
+    results = []
+    try:
+        for arm in args.arms.split(","):
+            servers[arm] = Server([*common, *ARMS[arm]], work / f"{arm}.log", args.threads)
+        for server in servers.values():  # warm-up, unmeasured
+            run(server, [sets[next(iter(sets))][0]], 1, 16)
+        for c in levels:
+            for name, prompts in sets.items():
+                batch = prompts[: args.prompts * c]
+                for arm, server in servers.items():
+                    row = {"concurrency": c, "set": name, "arm": arm}
+                    results.append(row | run(server, batch, c, args.max_new_tokens))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    report = {"draft": Path(draft).name, "args": vars(args), "runs": results}
+    print_table(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def print_table(results: list[dict]) -> None:
+    ar = {(r["concurrency"], r["set"]): r["tok_s"] for r in results if r["arm"] == "ar"}
+    print("| concurrency | set | arm | tok/s | × ar | τ | τ dflash | τ suffix | plain steps |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        base = ar.get((r["concurrency"], r["set"]))
+        ratio = f"{r['tok_s'] / base:.2f}" if base else "–"
+        src = r["tau_by_source"]
+        cells = [r["tau"], src["dflash"], src["suffix"], r["plain_step_share"]]
+        fmt = ["–" if v is None else f"{v:.2f}" for v in cells]
+        print(
+            f"| {r['concurrency']} | {r['set']} | {r['arm']} | {r['tok_s']:.1f} | {ratio} | "
+            + " | ".join(fmt)
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Where a decode step's time goes: plain decoding vs DFLASH_X, sampled with py-spy.
+
+    python bench/profile_step.py [--concurrency 1,8] [--seconds 30] [--out F.json]
+
+Serves the embedded target twice (plain, and DFLASH_X with the bundled drafter as launched
+by default), keeps `concurrency` greedy requests in flight on each in turn, and samples the
+scheduler process's Python stacks with py-spy (`--idle`, so waiting is counted too). Each
+sample is charged to the innermost phase it is in:
+
+  draft        DFlashXWorker.draft_block (the drafter's forward and head)
+  verify       DFlashXWorker.verify (the target forward over the chain) / the plain forward
+  accept       DFlashXWorker.accept
+  inject       DFlashXWorker._inject_committed (KV injection)
+  plan         DFlashXWorker.plan_step (suffix lookup + planner)
+  metrics      our step observers and the exporters
+  scheduler    everything else in the scheduler process: batching, result processing,
+               streaming out, waiting for the tokenizer/detokenizer processes
+Output: the share of samples per phase and the mean step time (from the servers' counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from dflash_sglang.loadtest import server_metrics
+from dflash_sglang.managed_server import Server
+
+# Innermost match wins: (phase, function name, file fragment).
+PHASES = (
+    ("draft", "draft_block", "dflash_sglang/worker.py"),
+    ("verify", "verify", "dflash_sglang/worker.py"),
+    ("accept", "accept", "dflash_sglang/worker.py"),
+    ("inject", "_inject_committed", "dflash_sglang/worker.py"),
+    ("plan", "plan_step", "dflash_sglang/worker.py"),
+    ("metrics", "_export_step", "dflash_sglang/worker.py"),
+    ("metrics", "_observe_step_start", "dflash_sglang/worker.py"),
+    ("verify", "forward_batch_generation", "sglang/srt/managers/tp_worker.py"),
+)
+PROMPT = "Write a detailed essay about the history of computing, with examples."
+
+
+def scheduler_pid(server: Server) -> int:
+    """The scheduler child of a launcher (SGLang names its processes `sglang::scheduler`)."""
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        if "scheduler" in " ".join(child.cmdline()) or "scheduler" in child.name():
+            return child.pid
+    raise RuntimeError("no scheduler process found under the launcher")
+
+
+def phase_of(stack: str) -> str:
+    """`stack` is py-spy's collapsed form: frames `func (file:line)` joined by ';'."""
+    for frame in reversed(stack.split(";")):
+        for phase, func, path in PHASES:
+            if frame.startswith(func + " ") and path in frame:
+                return phase
+    return "scheduler"
+
+
+def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dict:
+    stop = threading.Event()
+    done: list[tuple[float, int]] = []  # (finish time, output tokens)
+
+    def client() -> None:
+        while not stop.is_set():
+            meta = server.generate(PROMPT, max_new_tokens=64, ignore_eos=True)["meta_info"]
+            done.append((time.perf_counter(), meta["completion_tokens"]))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(5)  # reach a steady batch
+    before = server_metrics.scrape(server.url)
+    out = work / f"stacks_{server.port}_{concurrency}.txt"
+    start = time.perf_counter()
+    subprocess.run(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--idle", "--format", "raw",
+         "--rate", "200", "--duration", str(int(seconds)), "--pid",
+         str(scheduler_pid(server)), "--output", str(out), "--nonblocking"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    end = time.perf_counter()
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
+    stop.set()
+    for t in threads:
+        t.join()
+    samples: Counter[str] = Counter()
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        samples[phase_of(stack)] += int(count)
+    total = sum(samples.values())
+    tok_s = sum(n for t, n in done if start < t <= end) / (end - start)
+    # A plain step emits one token per request in flight; DFLASH_X counts its steps.
+    steps = server_metrics.total(deltas, "dflash_num_steps_total") or tok_s * (end - start) / (
+        concurrency
+    )
+    return {
+        "share": {k: v / total for k, v in sorted(samples.items())},
+        "output_tok_s": tok_s,
+        "ms_per_step": 1000 * (end - start) / steps if steps else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    from dflash_sglang.default_model import ensure_default_target
+    from dflash_sglang.drafters import default_draft_dir
+
+    target = ensure_default_target()
+    work = Path(tempfile.mkdtemp(prefix="dflash_profile_"))
+    common = ["--model-path", str(target), "--max-total-tokens", "65536"]
+    arms = {
+        "plain": [*common, "--speculative-algorithm", "NONE"],
+        "dflash_x": [*common, "--speculative-draft-model-path", str(default_draft_dir())],
+    }
+    report = {}
+    for name, arm_args in arms.items():  # one server at a time: nothing else on the cores
+        server = Server(arm_args, work / f"{name}.log", threads=args.threads)
+        try:
+            server.generate(PROMPT, max_new_tokens=16)
+            for c in map(int, args.concurrency.split(",")):
+                report[f"{name} c={c}"] = profile(server, c, args.seconds, work)
+                print(name, c, json.dumps(report[f"{name} c={c}"]), file=sys.stderr)
+        finally:
+            server.stop()
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

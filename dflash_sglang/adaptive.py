@@ -1,0 +1,196 @@
+"""What the adaptive planner (`proposals.Planner`) measures: per-slot acceptance of each
+proposal source and the cost of a step.
+
+Pure Python (no torch, no sglang): the worker feeds it host-side counts and wall times.
+
+Conventions (shared with `acceptance` and `metrics`):
+- The width `w` is the same for the whole batch: the target verifies the anchor plus `w - 1`
+  proposal tokens per request. `w = 1` is plain decoding: no proposal is verified and the
+  draft forward is skipped.
+- A request's proposal has at most `cap` tokens (B-1 for a DFlash block, L for a suffix
+  lookup), so it offers `offered = min(w - 1, cap)` tokens and emits `accepted + 1`.
+- Slot k (0-based) is the k-th proposal token. `c[k]` = P(slot k accepted | slots < k
+  accepted), and the survival curve is S[k] = P(accepted > k) = prod_{j<=k} c[j], so
+  E[emitted | w] = 1 + sum_{k < offered} S[k].
+- One step costs seconds ≈ θ · [1, bs, verify_tokens, draft_tokens] with
+  verify_tokens = bs*w and draft_tokens = bs*B when the draft forward runs, else 0.
+- The planner picks the width maximising sum_r E_r[emitted | w] / seconds(w, bs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# Placeholder step cost for a CPU target, seconds per [step, request, verified token, drafted
+# token]; measurements replace it within a few steps.
+DEFAULT_CPU_PRIOR = (0.08, 0.002, 0.002, 0.001)
+
+_MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive
+_NUM_FEATURES = 4
+_VERIFY, _DRAFT = 2, 3  # feature indices of the coefficients constrained to >= 0
+
+
+class AcceptanceStats:
+    """EMA of the conditional per-slot acceptance rates `c[k]` of one proposal source.
+
+    Conditional rates are robust to censoring: a request-step that offered `n` tokens and
+    accepted `a` reached slots 0..a (0..a-1 accepted, slot a rejected if a < n) and says
+    nothing about slots beyond, so a narrow width never drags the wide slots' estimates down.
+
+    Slots never reached yet follow the deepest reached one instead of keeping the prior: a
+    source seen accepting up to slot k likely accepts beyond it, and a pessimistic prior on
+    the wide slots would keep the planner from ever trying the width that measures them.
+    """
+
+    def __init__(self, num_slots: int, prior: float = 0.5, decay: float = 0.98):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self._rates = [float(prior)] * num_slots
+        self._decay = decay
+        self._observations = 0
+        self._reached = 0  # slots 0.._reached-1 have been verified at least once
+
+    @property
+    def observations(self) -> int:
+        return self._observations
+
+    @property
+    def rates(self) -> list[float]:
+        """The conditional rates c[k], k = 0..num_slots-1 (a copy)."""
+        return list(self._rates)
+
+    def observe(self, accepted: int, offered: int) -> None:
+        """One request-step: `offered` proposal tokens verified, the first `accepted` kept."""
+        if not 0 <= accepted <= offered <= len(self._rates):
+            raise ValueError(
+                f"need 0 <= accepted <= offered <= {len(self._rates)}, "
+                f"got accepted={accepted}, offered={offered}"
+            )
+        d = self._decay
+        for k in range(accepted):  # reached and accepted: c[k] <- d*c[k] + (1-d)*1
+            self._rates[k] = d * self._rates[k] + (1.0 - d)
+        if accepted < offered:  # reached and rejected: c[k] <- d*c[k] + (1-d)*0
+            self._rates[accepted] *= d
+        self._observations += 1
+        self._reached = max(self._reached, min(accepted + 1, offered))
+        if self._reached:
+            tail = self._rates[self._reached - 1]
+            self._rates[self._reached :] = [tail] * (len(self._rates) - self._reached)
+
+    def survival(self) -> list[float]:
+        """S[k] = P(accepted > k) = prod_{j<=k} c[j]."""
+        out, s = [], 1.0
+        for c in self._rates:
+            s *= c
+            out.append(s)
+        return out
+
+    def expected_accepted(self, offered: int) -> float:
+        """E[accepted | offered] = sum_{k < offered} S[k]."""
+        if not 0 <= offered <= len(self._rates):
+            raise ValueError(f"offered must be in [0, {len(self._rates)}], got {offered}")
+        return sum(self.survival()[:offered])
+
+
+def features(bs: int, verify_tokens: int, draft_tokens: int) -> list[float]:
+    return [1.0, float(bs), float(verify_tokens), float(draft_tokens)]
+
+
+class CostModel:
+    """Seconds of one step, θ · features, fitted online by least squares with forgetting.
+
+    θ minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ |θ - prior|^2  (λ = `forgetting`,
+    δ = `prior_strength`) subject to θ_verify >= 0 and θ_draft >= 0. This is recursive least
+    squares in information form: the statistics G = sum λ^(n-i) x xᵀ and m = sum λ^(n-i) x y
+    are updated recursively and the 4x4 system re-solved. The ridge does not fade, so a
+    direction the data never excites (a width never tried) stays at the prior instead of
+    winding up. The constraint is part of the fit, not a clamp applied afterwards: clamping
+    an unconstrained fit would miss even the measured points, and no later measurement at
+    those points would correct it.
+    """
+
+    def __init__(
+        self, prior: Sequence[float], forgetting: float = 0.99, prior_strength: float = 1e-3
+    ):
+        if len(prior) != _NUM_FEATURES:
+            raise ValueError(f"prior must have {_NUM_FEATURES} coefficients, got {len(prior)}")
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if prior_strength <= 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
+        self._prior = [float(c) for c in prior]
+        self._forgetting = forgetting
+        self._strength = prior_strength
+        self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+        self._moment = [0.0] * _NUM_FEATURES
+        self._theta = self._fit()
+
+    def predict(self, bs: int, verify_tokens: int, draft_tokens: int) -> float:
+        """Predicted seconds; non-decreasing in verify and draft tokens (θ_verify, θ_draft >= 0)."""
+        x = features(bs, verify_tokens, draft_tokens)
+        return max(_dot(self._theta, x), _MIN_SECONDS)
+
+    def observe(self, bs: int, verify_tokens: int, draft_tokens: int, seconds: float) -> None:
+        """One measured step: G <- λG + x xᵀ, m <- λm + x y, then re-fit θ."""
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
+        x = features(bs, verify_tokens, draft_tokens)
+        lam = self._forgetting
+        self._gram = [
+            [lam * g + xi * xj for g, xj in zip(row, x, strict=True)]
+            for row, xi in zip(self._gram, x, strict=True)
+        ]
+        self._moment = [lam * m + xi * seconds for m, xi in zip(self._moment, x, strict=True)]
+        self._theta = self._fit()
+
+    def _fit(self) -> list[float]:
+        """argmin θᵀAθ - 2bᵀθ with A = G + δI, b = m + δ·prior, θ_verify, θ_draft >= 0.
+
+        A is positive definite, so the constrained optimum is the unconstrained optimum on the
+        face of its active constraints: solve on each of the four faces, keep the best
+        feasible one (the face with both at zero is always feasible).
+        """
+        n, d = _NUM_FEATURES, self._strength
+        a = [
+            [g + (d if i == j else 0.0) for j, g in enumerate(row)]
+            for i, row in enumerate(self._gram)
+        ]
+        b = [m + d * p for m, p in zip(self._moment, self._prior, strict=True)]
+        best, best_obj = [0.0] * n, math.inf
+        for zeroed in ((), (_VERIFY,), (_DRAFT,), (_VERIFY, _DRAFT)):
+            free = [i for i in range(n) if i not in zeroed]
+            sol = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            theta = [0.0] * n
+            for i, v in zip(free, sol, strict=True):
+                theta[i] = v
+            if theta[_VERIFY] < 0.0 or theta[_DRAFT] < 0.0:
+                continue
+            obj = _dot(theta, [_dot(row, theta) for row in a]) - 2.0 * _dot(b, theta)
+            if obj < best_obj:
+                best, best_obj = theta, obj
+        return best
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(u * v for u, v in zip(a, b, strict=True))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b, by Gaussian elimination with partial pivoting (a is small and SPD)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            m[r] = [u - f * v for u, v in zip(m[r], m[col], strict=True)]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - _dot(m[r][r + 1 : n], x[r + 1 :])) / m[r][r]
+    return x

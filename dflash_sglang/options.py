@@ -1,0 +1,170 @@
+"""DFLASH_X's own serving options: adaptive verify width and the suffix-lookup source.
+
+The launcher parses and validates them (errors name the flag) and hands them to the
+scheduler processes SGLang spawns through the environment, the one channel that reaches
+every process without changing SGLang's `ServerArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_PREFIX = "DFLASH_SGLANG_"
+DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    adaptive: bool = True
+    widths: tuple[int, ...] | None = None  # None: DEFAULT_WIDTHS + block size
+    suffix: bool = True
+    suffix_always: bool = False  # take a suffix proposal whenever one exists
+    suffix_max_match: int = 4
+    suffix_max_proposal: int | None = None  # None: block size - 1
+    explore_every: int = 50  # planner steps between exploratory widths; 0: never
+
+    def candidate_widths(self, block_size: int) -> tuple[int, ...]:
+        """Verify widths the controller may pick; fixed width = the block alone."""
+        if not self.adaptive:
+            return (block_size,)
+        widths = self.widths or (*DEFAULT_WIDTHS, block_size)
+        return tuple(sorted({w for w in widths if w <= block_size}))
+
+    def max_proposal(self, block_size: int) -> int:
+        return min(self.suffix_max_proposal or block_size - 1, block_size - 1)
+
+    def check(self, block_size: int) -> None:
+        """Errors that need the block size, which only the draft checkpoint knows."""
+        for w in self.widths or ():
+            if w > block_size:
+                raise ValueError(f"--dflash-widths {w} exceeds the block size {block_size}")
+        if self.suffix_max_proposal is not None and self.suffix_max_proposal > block_size - 1:
+            raise ValueError(
+                f"--dflash-suffix-max-proposal {self.suffix_max_proposal} exceeds the block "
+                f"size - 1 ({block_size - 1})"
+            )
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            ENV_PREFIX + "ADAPTIVE": _on_off(self.adaptive),
+            ENV_PREFIX + "WIDTHS": ",".join(map(str, self.widths or ())),
+            ENV_PREFIX + "SUFFIX": "always" if self.suffix_always else _on_off(self.suffix),
+            ENV_PREFIX + "SUFFIX_MAX_MATCH": str(self.suffix_max_match),
+            ENV_PREFIX + "SUFFIX_MAX_PROPOSAL": str(self.suffix_max_proposal or ""),
+            ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SpecOptions:
+        def get(name: str) -> str:
+            return env.get(ENV_PREFIX + name, "")
+
+        default = cls()
+        return cls(
+            adaptive=get("ADAPTIVE") != "off" if get("ADAPTIVE") else default.adaptive,
+            widths=parse_widths(get("WIDTHS")) if get("WIDTHS") else None,
+            suffix=get("SUFFIX") != "off" if get("SUFFIX") else default.suffix,
+            suffix_always=get("SUFFIX") == "always",
+            suffix_max_match=int(get("SUFFIX_MAX_MATCH") or default.suffix_max_match),
+            suffix_max_proposal=int(get("SUFFIX_MAX_PROPOSAL") or 0) or None,
+            explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
+        )
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise ValueError(f"--dflash-widths takes comma-separated integers, got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--dflash-widths must be integers >= 1, got {text!r}")
+    return widths
+
+
+def _at_least(flag: str, low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive(flag: str):
+    return _at_least(flag, 1)
+
+
+def _non_negative(flag: str):
+    return _at_least(flag, 0)
+
+
+def _widths_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_widths(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_cli_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--dflash-adaptive",
+        choices=("on", "off"),
+        default="on",
+        help="pick the verify width each step from measured acceptance and step cost; "
+        "width 1 is plain decoding (default on; off verifies the whole block every step)",
+    )
+    group.add_argument(
+        "--dflash-widths",
+        type=_widths_arg,
+        default=None,
+        help="candidate verify widths, comma-separated (default 1,2,4,8 and the block size)",
+    )
+    group.add_argument(
+        "--dflash-suffix",
+        choices=("on", "off", "always"),
+        default="on",
+        help="also propose the continuation of the longest earlier match of the text so far "
+        "(prompt + output), per request, when it is expected to beat the DFlash block "
+        "(default on; always: whenever a match exists, for comparisons)",
+    )
+    group.add_argument(
+        "--dflash-suffix-max-match",
+        type=_positive("--dflash-suffix-max-match"),
+        default=4,
+        help="longest suffix looked up, in tokens (default 4)",
+    )
+    group.add_argument(
+        "--dflash-suffix-max-proposal",
+        type=_positive("--dflash-suffix-max-proposal"),
+        default=None,
+        help="most tokens a suffix proposal offers (default: block size - 1)",
+    )
+    group.add_argument(
+        "--dflash-explore-every",
+        type=_non_negative("--dflash-explore-every"),
+        default=50,
+        help="every N steps the adaptive planner tries a neighbouring width, so its cost "
+        "model and acceptance estimates stay current (default 50; 0: never)",
+    )
+
+
+def from_cli(ns: argparse.Namespace) -> SpecOptions:
+    return SpecOptions(
+        adaptive=ns.dflash_adaptive == "on",
+        widths=ns.dflash_widths,
+        suffix=ns.dflash_suffix != "off",
+        suffix_always=ns.dflash_suffix == "always",
+        suffix_max_match=ns.dflash_suffix_max_match,
+        suffix_max_proposal=ns.dflash_suffix_max_proposal,
+        explore_every=ns.dflash_explore_every,
+    )

@@ -1,0 +1,198 @@
+"""Per step: which source proposes for each request, how wide the target verifies, and
+whether the draft forward runs at all.
+
+Two sources: the DFlash block (B-1 tokens from one drafter pass) and a suffix lookup over
+the request's own text (`suffix.SuffixIndex`, free). The planner scores every option
+(width w, draft on/off) by expected emitted tokens per second, each request taking the
+source it expects more from at that width, and keeps the current option unless another
+beats it by the hysteresis margin. Pure Python: the worker feeds it host-side counts.
+
+Options it does not pick are measured by exploration: every `explore_every` picks a
+neighbouring drafting width runs instead, and an explored step that accepted more than
+predicted is explored again on the next pick, so a drafter that starts hitting again is
+measured in a burst of steps (an EMA moves little per step) rather than one per
+`explore_every`; one that keeps missing costs a single step per period.
+
+Expected emitted tokens for request r at width w (notation of `adaptive`):
+  E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs, S_suffix[m_r][:min(w-1, L_r)].sum())
+where m_r and L_r are the match length and length of r's suffix proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate
+
+from dflash_sglang.adaptive import AcceptanceStats, CostModel
+from dflash_sglang.suffix import SuffixProposal
+
+DFLASH = "dflash"
+SUFFIX = "suffix"
+SOURCES = (DFLASH, SUFFIX)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    width: int  # tokens verified per request, anchor included (1 = plain decoding)
+    run_draft: bool  # the DFlash drafter runs this step
+    suffix: tuple[SuffixProposal | None, ...]  # per request: the suffix proposal it takes
+    predicted_seconds: float
+    explored: bool = False  # chosen to measure, not because it scored best
+    proposals: tuple[SuffixProposal | None, ...] = ()  # every request's, taken or not
+
+    def choice(self) -> tuple[int, bool, tuple[bool, ...]]:
+        """What differs between ranks' planners: (width, run_draft, takes suffix per request)."""
+        return self.width, self.run_draft, tuple(p is not None for p in self.suffix)
+
+    def with_choice(self, choice: tuple[int, bool, tuple[bool, ...]]) -> StepPlan:
+        """This plan with another rank's choice (its proposals are the same on every rank)."""
+        width, run_draft, takes = choice
+        if takes == tuple(p is not None for p in self.suffix):
+            suffix = self.suffix
+        else:  # the other rank chose per request with its own statistics: same proposals
+            suffix = tuple(p if t else None for p, t in zip(self.proposals, takes, strict=True))
+        return replace(self, width=width, run_draft=run_draft, suffix=suffix)
+
+    def source(self, r: int) -> str | None:
+        """What request r verifies this step; None when nothing is (width 1, or no suffix
+        proposal on a step without the drafter: its slots hold padding)."""
+        if self.width == 1:
+            return None
+        if self.suffix[r] is not None:
+            return SUFFIX
+        return DFLASH if self.run_draft else None
+
+    def offered(self, r: int) -> int:
+        """Proposal tokens of request r the target verifies."""
+        source = self.source(r)
+        if source == SUFFIX:
+            return min(self.width - 1, len(self.suffix[r].tokens))
+        return self.width - 1 if source == DFLASH else 0
+
+
+@dataclass(frozen=True)
+class _Option:
+    width: int
+    run_draft: bool
+
+
+class Planner:
+    """Source per request, verify width and draft on/off for the next step."""
+
+    def __init__(
+        self,
+        block_size: int,
+        widths: Sequence[int],
+        cost: CostModel,
+        max_match: int = 4,
+        hysteresis: float = 0.05,
+        explore_every: int = 50,
+        prefer_suffix: bool = False,
+    ) -> None:
+        if not widths or min(widths) < 1 or max(widths) > block_size:
+            raise ValueError(f"widths must lie in [1, {block_size}], got {list(widths)}")
+        self.block_size = block_size
+        self.widths = tuple(sorted(set(widths)))
+        self.cost = cost
+        self.dflash = AcceptanceStats(block_size - 1)
+        self.suffix = [AcceptanceStats(block_size - 1) for _ in range(max_match)]
+        self.hysteresis = hysteresis
+        self.explore_every = explore_every
+        self.prefer_suffix = prefer_suffix  # take any suffix proposal (`--dflash-suffix always`)
+        self._current = _Option(self.widths[-1], self.widths[-1] > 1)
+        self._picks = 0
+        self._explore_up = True
+        self._explore_again: _Option | None = None  # an explored option that beat its prediction
+
+    def options(self, any_suffix: bool) -> list[_Option]:
+        opts = [_Option(w, w > 1) for w in self.widths]
+        if any_suffix:  # suffix proposals alone, no drafter pass
+            opts += [_Option(w, False) for w in self.widths if w > 1]
+        return opts
+
+    def plan(self, proposals: Sequence[SuffixProposal | None]) -> StepPlan:
+        bs = len(proposals)
+        gain_dflash = [0.0, *accumulate(self.dflash.survival())]  # gain[n] = sum S[:n]
+        gains_suffix = [[0.0, *accumulate(s.survival())] for s in self.suffix]
+        suffix_gain = [
+            (gains_suffix[p.match_len - 1], len(p.tokens)) if p is not None else None
+            for p in proposals
+        ]
+
+        def expected(opt: _Option, r: int) -> tuple[float, bool]:
+            """(E_r(w) - 1, takes the suffix proposal)."""
+            n = opt.width - 1
+            dflash = gain_dflash[n] if opt.run_draft else 0.0
+            if suffix_gain[r] is None:
+                return dflash, False
+            gain, length = suffix_gain[r]
+            suffix = gain[min(n, length)]
+            if self.prefer_suffix or suffix > dflash:
+                return suffix, True
+            return dflash, False
+
+        def seconds(opt: _Option) -> float:
+            drafted = bs * self.block_size if opt.run_draft else 0
+            return self.cost.predict(bs, bs * opt.width, drafted)
+
+        def score(opt: _Option) -> float:
+            return sum(1.0 + expected(opt, r)[0] for r in range(bs)) / seconds(opt)
+
+        options = self.options(any(p is not None for p in proposals))
+        chosen, explored = self._choose({opt: score(opt) for opt in options})
+        takes_suffix = [expected(chosen, r)[1] for r in range(bs)]
+        return StepPlan(
+            width=chosen.width,
+            run_draft=chosen.run_draft and not all(takes_suffix),
+            suffix=tuple(p if t else None for p, t in zip(proposals, takes_suffix, strict=True)),
+            predicted_seconds=seconds(chosen),
+            explored=explored,
+            proposals=tuple(proposals),
+        )
+
+    def _choose(self, scores: dict[_Option, float]) -> tuple[_Option, bool]:
+        """Best option, kept sticky by hysteresis; every `explore_every` picks a neighbour, and
+        an explored option that beat its prediction again."""
+        self._picks += 1
+        current = self._current if self._current in scores else None
+        best = max(scores, key=lambda o: (scores[o], -o.width))
+        if current is None or scores[best] > scores[current] * (1.0 + self.hysteresis):
+            self._current = current = best
+        again, self._explore_again = self._explore_again, None
+        if again in scores and again != current:
+            return again, True
+        if self.explore_every and self._picks % self.explore_every == 0:
+            neighbour = self._neighbour(current)
+            if neighbour in scores and neighbour != current:
+                return neighbour, True
+        return current, False
+
+    def _neighbour(self, opt: _Option) -> _Option:
+        """Next width up or down (alternating), drafting: the only way to see the drafter
+        again once plain decoding or suffix-only steps won."""
+        i = self.widths.index(opt.width)
+        up = self._explore_up or i == 0
+        self._explore_up = not self._explore_up
+        j = min(i + 1, len(self.widths) - 1) if up else i - 1
+        w = self.widths[j]
+        return _Option(w, w > 1)
+
+    def observe(self, plan: StepPlan, accepted: Sequence[int]) -> None:
+        """Per-request accepted proposal tokens of a step planned by `plan`."""
+        surprise = 0.0  # accepted minus predicted, by the stats before this step
+        for r, n in enumerate(accepted):
+            offered = plan.offered(r)
+            if offered == 0:
+                continue
+            proposal = plan.suffix[r]
+            stats = self.suffix[proposal.match_len - 1] if proposal else self.dflash
+            n = min(n, offered)
+            surprise += n - stats.expected_accepted(offered)
+            stats.observe(n, offered)
+        if plan.explored and surprise > 0.0:
+            self._explore_again = _Option(plan.width, plan.width > 1)  # as `_neighbour` made it
+
+    def observe_seconds(self, plan: StepPlan, bs: int, seconds: float) -> None:
+        drafted = bs * self.block_size if plan.run_draft else 0
+        self.cost.observe(bs, bs * plan.width, drafted, seconds)

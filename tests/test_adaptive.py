@@ -1,0 +1,150 @@
+import random
+
+import pytest
+
+from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, AcceptanceStats, CostModel
+
+BLOCK = 16
+WIDTHS = [1, 2, 4, 8, 16]
+# A GPU-like step: verifying a token is cheap next to the fixed cost of a forward.
+TRUE_COST = (0.05, 0.002, 0.0005, 0.0002)
+
+
+def _seconds(coeffs, bs, verify_tokens, draft_tokens):
+    return sum(c * f for c, f in zip(coeffs, (1, bs, verify_tokens, draft_tokens), strict=True))
+
+
+# --- AcceptanceStats -------------------------------------------------------------------------
+
+
+def test_decay_zero_keeps_the_last_observation_of_each_reached_slot():
+    stats = AcceptanceStats(5, prior=0.5, decay=0.0)
+    stats.observe(accepted=2, offered=4)
+    assert stats.rates == [1.0, 1.0, 0.0, 0.0, 0.0]  # slots 3, 4 follow slot 2
+    assert stats.survival() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    stats.observe(accepted=0, offered=3)
+    assert stats.rates == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert stats.observations == 2
+
+
+def test_ema_survival_and_expected_accepted():
+    stats = AcceptanceStats(3, prior=0.5, decay=0.5)
+    stats.observe(accepted=1, offered=2)  # c0 <- (0.5 + 1)/2, c1 <- (0.5 + 0)/2, c2 <- c1
+    assert stats.rates == [0.75, 0.25, 0.25]
+    assert stats.survival() == pytest.approx([0.75, 0.1875, 0.046875])
+    assert stats.expected_accepted(2) == pytest.approx(0.9375)
+    assert stats.expected_accepted(0) == 0.0
+
+
+def test_censored_slots_are_unchanged():
+    stats = AcceptanceStats(4, prior=0.5, decay=0.5)
+    stats.observe(accepted=4, offered=4)
+    stats.observe(accepted=0, offered=1)  # slot 0 rejected; slots 1.. not verified
+    assert stats.rates == [0.375, 0.75, 0.75, 0.75]
+
+
+def test_slots_never_reached_follow_the_deepest_reached_slot():
+    stats = AcceptanceStats(6, prior=0.3, decay=0.9)
+    assert stats.rates == [0.3] * 6  # nothing reached: the prior
+    stats.observe(accepted=2, offered=2)  # slots 0, 1 accepted; slot 2 never verified
+    assert stats.rates == pytest.approx([0.37] * 6)
+    stats.observe(accepted=2, offered=4)  # slot 2 reached (rejected) from the 0.37 it showed
+    assert stats.rates == pytest.approx([0.433, 0.433, 0.333, 0.333, 0.333, 0.333])
+
+
+@pytest.mark.parametrize("accepted, offered", [(3, 2), (-1, 2), (0, 5), (1, -1)])
+def test_observe_rejects_impossible_counts(accepted, offered):
+    with pytest.raises(ValueError, match="accepted"):
+        AcceptanceStats(4).observe(accepted, offered)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"num_slots": 0}, "num_slots"), ({"prior": 1.5}, "prior"), ({"decay": 1.0}, "decay")],
+)
+def test_acceptance_stats_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        AcceptanceStats(**{"num_slots": 4, **kwargs})
+
+
+def test_expected_accepted_rejects_more_than_the_slots():
+    with pytest.raises(ValueError, match="offered"):
+        AcceptanceStats(4).expected_accepted(5)
+
+
+# --- CostModel -------------------------------------------------------------------------------
+
+
+def _random_step(rng):
+    bs, w = rng.randint(1, 16), rng.choice(WIDTHS)
+    draft = bs * BLOCK if w > 1 and rng.random() < 0.5 else 0
+    return bs, bs * w, draft
+
+
+def test_cost_model_recovers_a_linear_cost_from_exact_data():
+    truth = (0.03, 0.004, 0.0007, 0.0003)
+    rng = random.Random(0)
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for _ in range(50):
+        step = _random_step(rng)
+        model.observe(*step, _seconds(truth, *step))
+    for bs in (1, 5, 16):
+        for w in WIDTHS:
+            for draft in (0, bs * BLOCK):
+                want = _seconds(truth, bs, bs * w, draft)
+                assert model.predict(bs, bs * w, draft) == pytest.approx(want, rel=0.01)
+
+
+def test_cost_model_is_monotone_in_verify_tokens_even_if_data_slopes_down():
+    rng = random.Random(1)
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for _ in range(50):
+        bs, verify, draft = _random_step(rng)
+        model.observe(bs, verify, draft, 0.2 - 0.0005 * verify + 0.0001 * draft)
+    for bs in (1, 8):
+        preds = [model.predict(bs, bs * w, 0) for w in range(1, 17)]
+        assert all(a <= b for a, b in zip(preds, preds[1:], strict=False))
+
+
+def test_cost_model_reproduces_a_measured_point_when_the_constraint_binds():
+    # Against this prior, the unconstrained fit of one point has a negative draft slope;
+    # clamping it only at prediction time would predict ~0.087 s here forever.
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for _ in range(3):
+        model.observe(1, 4, BLOCK, 0.0572)
+    assert model.predict(1, 4, BLOCK) == pytest.approx(0.0572, rel=0.01)
+
+
+def test_cost_model_forgets_an_old_cost():
+    rng = random.Random(2)
+    slow = tuple(2 * c for c in TRUE_COST)
+    model = CostModel(DEFAULT_CPU_PRIOR, forgetting=0.99)
+    for coeffs, n in ((TRUE_COST, 100), (slow, 500)):
+        for _ in range(n):
+            step = _random_step(rng)
+            model.observe(*step, _seconds(coeffs, *step))
+    assert model.predict(4, 16, 4 * BLOCK) == pytest.approx(
+        _seconds(slow, 4, 16, 4 * BLOCK), rel=0.01
+    )
+
+
+def test_cost_model_prediction_has_a_positive_floor():
+    assert CostModel([0.0, 0.0, 0.0, 0.0]).predict(1, 1, 0) > 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"prior": [0.1, 0.0, 0.0]}, "prior"),
+        ({"forgetting": 0.0}, "forgetting"),
+        ({"prior_strength": 0.0}, "prior_strength"),
+    ],
+)
+def test_cost_model_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CostModel(**{"prior": DEFAULT_CPU_PRIOR, **kwargs})
+
+
+def test_cost_model_rejects_a_negative_duration():
+    with pytest.raises(ValueError, match="seconds"):
+        CostModel(DEFAULT_CPU_PRIOR).observe(1, 1, 0, -0.1)

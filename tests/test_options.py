@@ -1,0 +1,75 @@
+"""DFLASH_X's own options: parsing, validation against the block, and the env hand-off."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dflash_sglang import options
+from dflash_sglang.options import SpecOptions
+
+
+def _parse(*argv: str) -> SpecOptions:
+    parser = argparse.ArgumentParser()
+    options.add_cli_args(parser.add_argument_group())
+    return options.from_cli(parser.parse_args(list(argv)))
+
+
+def test_defaults_adapt_and_look_up_suffixes():
+    opts = _parse()
+    assert opts.adaptive and opts.suffix
+    assert opts.candidate_widths(16) == (1, 2, 4, 8, 16)
+    assert opts.candidate_widths(4) == (1, 2, 4)
+    assert opts.max_proposal(16) == 15
+
+
+def test_fixed_width_is_the_block_alone():
+    assert _parse("--dflash-adaptive", "off").candidate_widths(16) == (16,)
+
+
+def test_flags_round_trip_through_the_environment():
+    opts = _parse(
+        "--dflash-adaptive=off",
+        "--dflash-widths=1,3",
+        "--dflash-suffix=off",
+        "--dflash-suffix-max-match=3",
+        "--dflash-suffix-max-proposal=5",
+        "--dflash-explore-every=0",
+    )
+    assert SpecOptions.from_env(opts.to_env()) == opts
+    assert SpecOptions.from_env(_parse().to_env()) == SpecOptions()
+    assert SpecOptions.from_env({}) == SpecOptions()
+
+
+def test_suffix_always_implies_on_and_survives_the_environment():
+    opts = _parse("--dflash-suffix", "always")
+    assert opts.suffix and opts.suffix_always
+    assert SpecOptions.from_env(opts.to_env()) == opts
+
+
+def test_explicit_widths_are_sorted_and_deduplicated():
+    assert _parse("--dflash-widths", "4,1,4,2").candidate_widths(8) == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dflash-widths", "0,2"], "--dflash-widths must be integers >= 1"),
+        (["--dflash-widths", "a"], "--dflash-widths takes comma-separated integers"),
+        (["--dflash-suffix-max-proposal", "-1"], "--dflash-suffix-max-proposal must be >= 1"),
+        (["--dflash-explore-every", "-1"], "--dflash-explore-every must be >= 0"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert message in capsys.readouterr().err
+
+
+def test_checks_against_the_block_size_name_the_flag():
+    with pytest.raises(ValueError, match="--dflash-widths 32 exceeds the block size 16"):
+        _parse("--dflash-widths", "1,32").check(16)
+    with pytest.raises(ValueError, match="--dflash-suffix-max-proposal 16 exceeds"):
+        _parse("--dflash-suffix-max-proposal", "16").check(16)
+    _parse("--dflash-widths", "1,16", "--dflash-suffix-max-proposal", "15").check(16)

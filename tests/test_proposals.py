@@ -1,0 +1,251 @@
+"""The planner: verify width, draft on/off and source per request, in closed loops and alone."""
+
+import random
+
+import pytest
+
+from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
+from dflash_sglang.proposals import DFLASH, SUFFIX, Planner, StepPlan
+from dflash_sglang.suffix import SuffixProposal
+
+BLOCK = 16
+WIDTHS = (1, 2, 4, 8, 16)  # the worker's default candidates for a 16-token block
+BS = 4
+# A GPU-like step: verifying a token is cheap next to the fixed cost of a forward.
+TRUE_COST = (0.05, 0.002, 0.0005, 0.0002)
+
+
+def _seconds(bs: int, width: int, run_draft: bool) -> float:
+    features = (1, bs, bs * width, bs * BLOCK if run_draft else 0)
+    return sum(c * f for c, f in zip(TRUE_COST, features, strict=True))
+
+
+def _closed_loop(planner: Planner, rates: list[float], seed: int = 0) -> list[StepPlan]:
+    """Planner -> plan -> Bernoulli acceptance at `rates[t]` per slot and the true step time
+    -> planner, with DFlash alone (no suffix proposals). Returns the plans run."""
+    rng = random.Random(seed)
+    plans = []
+    for p in rates:
+        plan = planner.plan([None] * BS)
+        accepted = []
+        for r in range(BS):
+            n = 0
+            while n < plan.offered(r) and rng.random() < p:
+                n += 1
+            accepted.append(n)
+        planner.observe(plan, accepted)
+        planner.observe_seconds(plan, BS, _seconds(BS, plan.width, plan.run_draft))
+        plans.append(plan)
+    return plans
+
+
+def _chosen_widths(plans: list[StepPlan]) -> list[int]:
+    """Widths of the steps that ran because they scored best (exploration left out)."""
+    return [p.width for p in plans if not p.explored]
+
+
+def _proposal(n: int, match_len: int = 4) -> SuffixProposal:
+    return SuffixProposal(tuple(range(100, 100 + n)), match_len, 1)
+
+
+# --- closed loops: the drafter stops and starts hitting -------------------------------------
+
+
+def test_a_drafter_that_never_hits_converges_to_plain_decoding():
+    plans = _closed_loop(Planner(BLOCK, WIDTHS, CostModel(TRUE_COST)), [0.0] * 200)
+    assert plans[0].width > 1  # the prior acceptance first makes speculation look worthwhile
+    first = next(t for t, p in enumerate(plans) if p.width == 1)
+    assert first < 20
+    after = plans[first:]
+    assert {(p.width, p.run_draft) for p in after if not p.explored} == {(1, False)}
+    # Exploring from plain decoding tries the next width up, once per `explore_every` picks.
+    assert {(p.width, p.run_draft) for p in after if p.explored} == {(2, True)}
+    assert sum(p.explored for p in after) <= len(after) // 50 + 1
+
+
+def test_exploration_rediscovers_a_drafter_that_hits_again():
+    # Planner defaults and cost prior as in the worker.
+    off, on = 200, 800
+    plans = _closed_loop(
+        Planner(BLOCK, WIDTHS, CostModel(DEFAULT_CPU_PRIOR)), [0.0] * off + [0.9] * on
+    )
+    assert set(_chosen_widths(plans[off - 50 : off])) == {1}
+    back = next(t for t in range(off, off + on) if not plans[t].explored and plans[t].width >= 8)
+    assert back - off < 100  # 62-80 steps over seeds 0-19
+    assert min(_chosen_widths(plans[back:])) >= 8
+
+
+def test_without_exploration_plain_decoding_never_learns_the_drafter_is_back():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=0)
+    plans = _closed_loop(planner, [0.0] * 100 + [0.9] * 500)
+    assert {p.width for p in plans[50:]} == {1}
+
+
+def test_an_explored_step_that_beats_its_prediction_is_explored_again():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=3)
+    for _ in range(300):  # the drafter has been missing for long: plain decoding
+        planner.dflash.observe(0, BLOCK - 1)
+    proposals = [None] * BS
+    assert [planner.plan(proposals).width for _ in range(2)] == [1, 1]
+    explored = planner.plan(proposals)
+    assert (explored.width, explored.explored) == (2, True)
+    planner.observe(explored, [1] * BS)  # every slot hit: more than predicted
+    again = planner.plan(proposals)
+    assert (again.width, again.explored) == (2, True)
+    planner.observe(again, [0] * BS)  # missed as predicted: back to plain decoding
+    assert planner.plan(proposals).width == 1
+
+
+# --- hysteresis ------------------------------------------------------------------------------
+
+
+def _cost_of_width_2(ratio: float) -> CostModel:
+    """A fixed cost (no observations) where a 1-request step at width 2 takes `ratio` times
+    one at width 1: the drafter's B tokens are all that differs."""
+    return CostModel((1.0, 0.0, 0.0, (ratio - 1.0) / BLOCK))
+
+
+def test_hysteresis_holds_below_the_margin_and_switches_above():
+    planner = Planner(BLOCK, (1, 2), _cost_of_width_2(1.04), hysteresis=0.05, explore_every=0)
+    for _ in range(300):  # nothing accepted: score(1) / score(2) is the cost ratio
+        planner.dflash.observe(0, 1)
+    assert planner.plan([None]).width == 2  # starts wide; 4% better is not enough
+    planner.cost = _cost_of_width_2(1.06)
+    assert planner.plan([None]).width == 1
+    planner.cost = _cost_of_width_2(1.0 / 1.04)  # width 2 now 4% better: stay
+    assert planner.plan([None]).width == 1
+
+
+# --- source per request ----------------------------------------------------------------------
+
+
+def _planner_trusting_suffix(widths=WIDTHS) -> Planner:
+    """Suffix proposals with a 4-token match nearly always hit; the drafter nearly never."""
+    planner = Planner(BLOCK, widths, CostModel(TRUE_COST), explore_every=0)
+    for _ in range(300):
+        planner.suffix[3].observe(BLOCK - 1, BLOCK - 1)
+        planner.dflash.observe(0, BLOCK - 1)
+    return planner
+
+
+def test_requests_with_a_trusted_suffix_proposal_take_it_and_the_drafter_still_runs():
+    planner = _planner_trusting_suffix()
+    # A drafter that hits at slot 0 and rarely beyond: worth one verified token, not more.
+    for _ in range(300):
+        planner.dflash.observe(1, 2)
+    proposals = [_proposal(10), None, _proposal(3), None]
+    plan = planner.plan(proposals)
+    assert plan.width > 1 and plan.run_draft
+    assert plan.suffix == (proposals[0], None, proposals[2], None)
+    assert [plan.source(r) for r in range(4)] == [SUFFIX, DFLASH, SUFFIX, DFLASH]
+    assert plan.offered(2) == min(plan.width - 1, 3)
+    assert plan.offered(1) == plan.width - 1
+
+
+def test_when_every_request_takes_its_suffix_proposal_the_drafter_is_skipped():
+    planner = _planner_trusting_suffix()
+    proposals = [_proposal(BLOCK - 1)] * BS
+    plan = planner.plan(proposals)
+    assert plan.width == BLOCK and not plan.run_draft
+    assert plan.suffix == tuple(proposals)
+    assert plan.predicted_seconds == pytest.approx(planner.cost.predict(BS, BS * BLOCK, 0))
+
+
+def test_a_weak_suffix_match_loses_to_the_drafter():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=0)
+    for _ in range(300):
+        planner.dflash.observe(BLOCK - 1, BLOCK - 1)
+        planner.suffix[0].observe(0, BLOCK - 1)
+    plan = planner.plan([_proposal(BLOCK - 1, match_len=1), None])
+    assert plan.run_draft and plan.suffix == (None, None)
+    assert [plan.source(r) for r in range(2)] == [DFLASH, DFLASH]
+
+
+# --- StepPlan and observe --------------------------------------------------------------------
+
+
+def test_step_plan_source_and_offered():
+    short, long = _proposal(3), _proposal(12)
+    plan = StepPlan(8, True, (short, long, None), 0.1)
+    assert [plan.source(r) for r in range(3)] == [SUFFIX, SUFFIX, DFLASH]
+    assert [plan.offered(r) for r in range(3)] == [3, 7, 7]  # capped by proposal and width
+    plain = StepPlan(1, False, (short, None), 0.1)
+    assert [plain.source(r) for r in range(2)] == [None, None]
+    assert [plain.offered(r) for r in range(2)] == [0, 0]
+    no_draft = StepPlan(4, False, (short, None), 0.1)  # request 1 verifies padding only
+    assert [no_draft.source(r) for r in range(2)] == [SUFFIX, None]
+    assert [no_draft.offered(r) for r in range(2)] == [3, 0]
+
+
+def test_observe_credits_each_source_and_match_length():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    plan = StepPlan(8, True, (_proposal(3, match_len=2), _proposal(12, match_len=4), None), 0.1)
+    # Request 0 accepted its 3 suffix tokens and 2 DFlash tokens past them: only 3 count.
+    planner.observe(plan, [5, 0, 7])
+    assert [s.observations for s in planner.suffix] == [0, 1, 0, 1]
+    assert planner.dflash.observations == 1
+    assert planner.suffix[1].rates[:3] == pytest.approx([0.51] * 3)  # accepted 3 of 3
+    assert planner.suffix[3].rates[0] == pytest.approx(0.49)  # rejected at slot 0
+    assert planner.dflash.rates[:7] == pytest.approx([0.51] * 7)
+
+
+def test_observe_ignores_requests_that_verified_nothing():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    planner.observe(StepPlan(1, False, (_proposal(3), None), 0.1), [0, 0])
+    planner.observe(StepPlan(4, False, (None, None), 0.1), [0, 0])
+    assert planner.dflash.observations == 0
+    assert [s.observations for s in planner.suffix] == [0] * 4
+
+
+def test_observe_seconds_fits_the_cost_of_the_plan_that_ran():
+    planner = Planner(BLOCK, WIDTHS, CostModel(DEFAULT_CPU_PRIOR))
+    for width, run_draft in [(1, False), (4, True), (16, True), (16, False), (8, True)] * 20:
+        plan = StepPlan(width, run_draft, (None,) * BS, 0.0)
+        planner.observe_seconds(plan, BS, _seconds(BS, width, run_draft))
+    for width, run_draft in [(2, True), (16, False), (1, False)]:
+        drafted = BS * BLOCK if run_draft else 0
+        predicted = planner.cost.predict(BS, BS * width, drafted)
+        assert predicted == pytest.approx(_seconds(BS, width, run_draft), rel=0.01)
+
+
+# --- fixed width -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.9])
+def test_a_single_width_always_verifies_the_whole_drafted_block(rate):
+    plans = _closed_loop(Planner(BLOCK, (BLOCK,), CostModel(TRUE_COST)), [rate] * 120)
+    assert {(p.width, p.run_draft, p.explored) for p in plans} == {(BLOCK, True, False)}
+
+
+def test_a_single_width_skips_the_drafter_only_when_every_request_takes_a_suffix():
+    planner = _planner_trusting_suffix(widths=(BLOCK,))
+    assert not planner.plan([_proposal(BLOCK - 1)] * BS).run_draft
+    for _ in range(300):  # a good drafter: requests without a suffix proposal want it
+        planner.dflash.observe(BLOCK - 1, BLOCK - 1)
+    plan = planner.plan([_proposal(BLOCK - 1), None])
+    assert (plan.width, plan.run_draft) == (BLOCK, True)
+
+
+@pytest.mark.parametrize("widths", [(), (0, 2), (2, BLOCK + 1)])
+def test_planner_rejects_widths_outside_the_block(widths):
+    with pytest.raises(ValueError, match="widths"):
+        Planner(BLOCK, widths, CostModel(TRUE_COST))
+
+
+def test_prefer_suffix_takes_every_suffix_proposal_even_against_a_better_drafter():
+    planner = Planner(4, (4,), CostModel(DEFAULT_CPU_PRIOR), prefer_suffix=True)
+    for _ in range(50):  # the drafter hits everything, suffix proposals nothing
+        planner.dflash.observe(3, 3)
+        planner.suffix[0].observe(0, 3)
+    plan = planner.plan([SuffixProposal((5, 6, 7), 1, 1), None])
+    assert plan.source(0) == "suffix" and plan.source(1) == "dflash" and plan.run_draft
+
+
+def test_another_ranks_choice_reuses_this_ranks_proposals():
+    planner = Planner(4, (1, 2, 4), CostModel(DEFAULT_CPU_PRIOR))
+    proposals = [SuffixProposal((5, 6, 7), 2, 1), None]
+    plan = planner.plan(proposals)
+    other = plan.with_choice((2, True, (False, False)))
+    assert (other.width, other.run_draft, other.suffix) == (2, True, (None, None))
+    back = other.with_choice((4, False, (True, False)))
+    assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (True, False))

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_sglang.suffix import SuffixIndex, SuffixProposal, replay_tau
+
+
+def indexed(tokens: list[int], max_match: int = 4, max_proposal: int = 15) -> SuffixIndex:
+    index = SuffixIndex(max_match, max_proposal)
+    index.extend(tokens)
+    return index
+
+
+def brute_force_propose(
+    tokens: list[int], max_match: int, max_proposal: int
+) -> SuffixProposal | None:
+    """Independent oracle: scan every earlier occurrence of each suffix, longest first."""
+    end = len(tokens)
+    for n in range(min(max_match, end - 1), 0, -1):
+        suffix = tokens[end - n :]
+        starts = [j for j in range(end - n) if tokens[j : j + n] == suffix]
+        if starts:
+            proposal: list[int] = []
+            for j in range(max_proposal):
+                pos = starts[-1] + n + j
+                proposal.append(tokens[pos] if pos < end else proposal[pos - end])
+            return SuffixProposal(tuple(proposal), n, len(starts))
+    return None
+
+
+def test_longest_match_preferred_over_more_recent_shorter_one():
+    # 3-gram (1, 2, 3) was followed by 9; the most recent lone 3 was followed by 8.
+    tokens = [1, 2, 3, 9, 7, 3, 8, 1, 2, 3]
+    assert indexed(tokens, max_match=3, max_proposal=1).propose() == SuffixProposal((9,), 3, 1)
+    assert indexed(tokens, max_match=1, max_proposal=1).propose() == SuffixProposal((8,), 1, 2)
+
+
+def test_continuation_of_earlier_occurrence():
+    proposal = indexed([4, 5, 6, 7, 8, 0, 5, 6], max_proposal=3).propose()
+    assert proposal == SuffixProposal((7, 8, 0), 2, 1)
+
+
+def test_most_recent_occurrence_wins_and_count_counts():
+    index = indexed([1, 5, 1, 6, 1], max_match=1, max_proposal=4)
+    assert index.propose() == SuffixProposal((6, 1, 6, 1), 1, 2)
+    index.extend([7, 1])
+    assert index.propose() == SuffixProposal((7, 1, 7, 1), 1, 3)
+
+
+@pytest.mark.parametrize("tokens", [[], [7], [1, 2, 3, 4], [3, 1, 4, 5, 9, 2, 6]])
+def test_no_proposal_without_repeat(tokens):
+    assert indexed(tokens).propose() is None
+
+
+def test_current_suffix_does_not_match_itself():
+    index = indexed([1, 2, 3], max_proposal=5)
+    assert index.propose() is None
+    index.extend([1])
+    assert index.propose() == SuffixProposal((2, 3, 1, 2, 3), 1, 1)
+
+
+def test_periodic_extension():
+    proposal = indexed([1, 2, 3, 1, 2, 3], max_proposal=8).propose()
+    assert proposal == SuffixProposal((1, 2, 3, 1, 2, 3, 1, 2), 3, 1)
+
+
+def test_slice_when_continuation_fits_before_present():
+    proposal = indexed([1, 2, 3, 4, 5, 6, 1], max_proposal=3).propose()
+    assert proposal == SuffixProposal((2, 3, 4), 1, 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_matches_rebuild_and_oracle(seed):
+    rng = random.Random(seed)
+    max_match, max_proposal = rng.randint(1, 5), rng.randint(1, 7)
+    tokens = [rng.randrange(4) for _ in range(200)]
+    chunked = SuffixIndex(max_match, max_proposal)
+    stepped = SuffixIndex(max_match, max_proposal)
+    pos = 0
+    while pos < len(tokens):
+        size = rng.randint(0, 6)
+        chunk = tokens[pos : pos + size]
+        chunked.extend(chunk)
+        for token in chunk:
+            stepped.extend([token])
+            prefix = tokens[: len(stepped)]
+            expected = brute_force_propose(prefix, max_match, max_proposal)
+            assert stepped.propose() == expected
+            assert indexed(prefix, max_match, max_proposal).propose() == expected
+        pos += len(chunk)
+        rebuilt = indexed(tokens[:pos], max_match, max_proposal)
+        assert len(chunked) == len(rebuilt) == pos
+        assert chunked.propose() == rebuilt.propose()
+        assert chunked._tables == rebuilt._tables == stepped._tables
+
+
+def test_bounded_memory():
+    rng = random.Random(0)
+    tokens = [rng.randrange(3) for _ in range(5000)]
+    index = indexed(tokens, max_match=4)
+    distinct = {tuple(tokens[j : j + n]) for n in range(1, 5) for j in range(len(tokens) - n)}
+    assert index.num_entries == len(distinct) <= 4 * len(index)
+    assert index.num_entries <= 3 + 9 + 27 + 81
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"max_match": 0}, "max_match"), ({"max_proposal": 0}, "max_proposal")],
+)
+def test_constructor_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SuffixIndex(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        # none: emit 5 | (5)->678, all accepted: 6785 | (8,5)->678 vs 6,9: emit 6,9.
+        ([5, 6, 7, 8, 5, 6, 9], (7 / 3, 2 / 3)),
+        # none: 5 | (5)->678: 6785 | (8,5)->678: 6785 | (8,5)->678 vs [6]: only 6 is left.
+        ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], (10 / 4, 3 / 4)),
+    ],
+)
+def test_replay_tau_hand_computed(output, expected):
+    assert replay_tau([5, 6, 7, 8], output, max_match=2, max_proposal=3) == expected
+
+
+def test_replay_tau_without_repetition_is_one():
+    assert replay_tau([100, 101], list(range(50))) == (1.0, 0.0)
+
+
+def test_replay_tau_needs_output():
+    with pytest.raises(ValueError, match="output"):
+        replay_tau([1, 2], [])
