@@ -41,7 +41,8 @@ class Snapshot:
     request_steps: float = 0.0
     steps: float = 0.0
     plain_steps: float = 0.0
-    width_sum: float = 0.0  # of the per-step verify width histogram
+    width_sum: float = 0.0  # the per-step verify width histogram's sum and count
+    width_count: float = 0.0
     generated_tokens: float = 0.0
     verify_width: float | None = None
 
@@ -62,6 +63,7 @@ _TOTALS = {
     metrics.STEPS: "steps",
     metrics.PLAIN_STEPS: "plain_steps",
     metrics.STEP_WIDTH + "_sum": "width_sum",
+    metrics.STEP_WIDTH + "_count": "width_count",
     GENERATED_TOKENS: "generated_tokens",
 }
 
@@ -95,6 +97,13 @@ def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) ->
 
 def _delta(new: dict[str, float], old: dict[str, float], key: str) -> float:
     return new.get(key, 0.0) - old.get(key, 0.0)
+
+
+def _mean_width(new: Snapshot, old: Snapshot) -> float | None:
+    """Over the histogram's own count: a scrape never splits one observation's sum and count
+    by a whole step, as it can split two counters the step bumps one after the other."""
+    count = new.width_count - old.width_count
+    return (new.width_sum - old.width_sum) / count if count else None
 
 
 def summarize(new: Snapshot, old: Snapshot | None) -> dict:
@@ -133,7 +142,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         ),
         "seconds": seconds if old is not None else None,
         "verify_width": new.verify_width,
-        "mean_verify_width": (new.width_sum - base.width_sum) / steps if steps else None,
+        "mean_verify_width": _mean_width(new, base),
         "speculation_off_share": (new.plain_steps - base.plain_steps) / steps if steps else None,
     }
 
@@ -165,7 +174,7 @@ def series(snapshots: list[Snapshot], step_s: float) -> list[dict]:
                 "time": snap.time,
                 "output_tokens_per_s": snap.tokens_since(start) / seconds,
                 "tau": metrics.tau(snap.accepted - start.accepted, snap.drafts - start.drafts),
-                "mean_verify_width": (snap.width_sum - start.width_sum) / steps if steps else None,
+                "mean_verify_width": _mean_width(snap, start),
                 "speculation_off_share": (
                     (snap.plain_steps - start.plain_steps) / steps if steps else None
                 ),

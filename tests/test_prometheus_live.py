@@ -151,8 +151,12 @@ def test_every_dashboard_query_returns_data(live_dflash, prometheus, traffic):
         missing = [e for e in exprs if not has_data(query(prometheus, e))]
     assert not missing, {e: query(prometheus, e) for e in missing}
 
-    (tau,) = query(prometheus, promql(expr_with("1 + ", "dflash_num_drafts_total")))
+    (tau,) = query(prometheus, promql(expr_with("1 + sum(", "dflash_num_drafts_total")))
     assert 1.0 <= float(tau["value"][1]) <= 8.0  # block 8: up to 7 accepted drafts + the bonus
+    # Per source: only the DFlash block proposes on this server (suffix lookup is off).
+    (by_source,) = query(prometheus, promql(expr_with("sum by (source)", "1 + ")))
+    assert by_source["metric"] == {"source": "dflash"}
+    assert 1.0 <= float(by_source["value"][1]) <= 8.0
     per_position = query(prometheus, promql(expr_with("per_pos")))
     assert {s["metric"]["position"] for s in per_position} == {str(k) for k in range(7)}
     # The scrape job's relabelling left no OpenMetrics-escaped `sglang_*` name behind.

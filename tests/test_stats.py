@@ -28,6 +28,7 @@ def _samples(drafts, accepted, per_pos, generated, steps=None, plain=0, suffix=(
         ("dflash_num_steps_total", {}, request_steps if steps is None else steps),
         ("dflash_num_plain_steps_total", {}, plain),
         ("dflash_step_verify_width_sum", {}, 4.0 * (drafts + suffix[0]) + plain),
+        ("dflash_step_verify_width_count", {}, request_steps if steps is None else steps),
         ("sglang:generation_tokens_total", {"model_name": "m"}, generated),
         ("dflash_verify_width", {}, 4.0),
     ]
@@ -91,6 +92,7 @@ def test_series_rates_between_recorded_snapshots():
             steps=6,
             plain_steps=2,
             width_sum=18,
+            width_count=6,
             generated_tokens=30,
         ),
         Snapshot(
@@ -101,6 +103,7 @@ def test_series_rates_between_recorded_snapshots():
             steps=6,
             plain_steps=2,
             width_sum=18,
+            width_count=6,
             generated_tokens=30,
         ),
     ]
