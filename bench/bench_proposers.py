@@ -4,8 +4,8 @@
         [--concurrency 1,4,16] [--sets mt_bench,humaneval,math,summaries] [--out F.json]
 
 All arms serve the embedded target (bf16, CPU) with the same drafter (default: the bundled
-one); each (level, set) sends the same held-out prompts to every arm in turn, so machine
-noise hits all arms alike. Arms:
+one); each (level, set) sends the same held-out prompts to every arm, in `--rounds` slices
+the arms take turns on (order rotated per slice), so machine noise hits all arms alike. Arms:
   ar        --speculative-algorithm NONE
   dx        DFLASH_X as launched by default (adaptive width, suffix lookup on)
   adaptive  adaptive width, DFlash block only (--dflash-suffix off)
@@ -60,7 +60,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def run(server: Server, prompts: list[list[int]], concurrency: int, max_new: int) -> dict:
-    """Output tok/s over `prompts` at `concurrency`, and the server's counter deltas."""
+    """Output tokens and seconds over `prompts` at `concurrency`, and the counter deltas."""
     before = server_metrics.scrape(server.url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -72,8 +72,32 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, max_new: int
         )
     elapsed = time.perf_counter() - start
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
-    tokens = sum(m["completion_tokens"] for m in metas)
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, **counts(deltas)}
+    return {
+        "tokens": sum(m["completion_tokens"] for m in metas),
+        "seconds": elapsed,
+        "deltas": deltas,
+    }
+
+
+def interleaved(servers: dict[str, Server], prompts: list, c: int, max_new: int, rounds: int):
+    """Each arm's totals over `rounds` slices of `prompts`; the arms take turns per slice, in
+    an order rotated every slice, so slow and fast moments of the machine hit all alike."""
+    totals = {arm: {"tokens": 0, "seconds": 0.0, "deltas": {}} for arm in servers}
+    arms = list(servers)
+    for i in range(rounds):
+        part = prompts[i::rounds]
+        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
+            got = run(servers[arm], part, c, max_new)
+            total = totals[arm]
+            total["tokens"] += got["tokens"]
+            total["seconds"] += got["seconds"]
+            for key, value in got["deltas"].items():
+                total["deltas"][key] = total["deltas"].get(key, 0.0) + value
+    return {
+        arm: {"tokens": t["tokens"], "seconds": t["seconds"], "tok_s": t["tokens"] / t["seconds"]}
+        | counts(t["deltas"])
+        for arm, t in totals.items()
+    }
 
 
 def counts(deltas: dict[str, float]) -> dict:
@@ -99,6 +123,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--sets", default=",".join(SET_NAMES))
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set at concurrency 1")
+    ap.add_argument("--rounds", type=int, default=2, help="slices the arms take turns on")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
@@ -153,9 +178,9 @@ def main() -> None:
         for c in levels:
             for name, prompts in sets.items():
                 batch = prompts[: args.prompts * c]
-                for arm, server in servers.items():
-                    row = {"concurrency": c, "set": name, "arm": arm}
-                    results.append(row | run(server, batch, c, args.max_new_tokens))
+                by_arm = interleaved(servers, batch, c, args.max_new_tokens, args.rounds)
+                for arm, totals in by_arm.items():
+                    results.append({"concurrency": c, "set": name, "arm": arm} | totals)
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     finally:
         for server in servers.values():

@@ -2,13 +2,15 @@
 
     python bench/profile_step.py [--concurrency 1,8] [--seconds 30] [--out F.json]
 
-Serves the embedded target twice (plain, and DFLASH_X with the bundled drafter as launched
-by default), keeps `concurrency` greedy requests in flight on each in turn, and samples the
-scheduler process's Python stacks with py-spy (`--idle`, so waiting is counted too). Each
+Serves the embedded target in turn: plain, DFLASH_X with the bundled drafter as launched by
+default, with the whole block every step (fixed), and pinned to width 1. Keeps
+`concurrency` greedy requests in flight on each, and samples the scheduler process's Python
+stacks with py-spy (`--idle`, so waiting is counted too). Each
 sample is charged to the innermost phase it is in:
 
   draft        DFlashXWorker.draft_block (the drafter's forward and head)
-  verify       DFlashXWorker.verify (the target forward over the chain) / the plain forward
+  verify       DFlashXWorker.verify (the target forward over the chain); for plain
+               decoding, TpModelWorker.forward_batch_generation
   accept       DFlashXWorker.accept
   inject       DFlashXWorker._inject_committed (KV injection)
   plan         DFlashXWorker.plan_step (suffix lookup + planner)
@@ -35,17 +37,17 @@ import psutil
 from dflash_sglang.loadtest import server_metrics
 from dflash_sglang.managed_server import Server
 
-# Innermost match wins: (phase, function name, file fragment).
-PHASES = (
-    ("draft", "draft_block", "dflash_sglang/worker.py"),
-    ("verify", "verify", "dflash_sglang/worker.py"),
-    ("accept", "accept", "dflash_sglang/worker.py"),
-    ("inject", "_inject_committed", "dflash_sglang/worker.py"),
-    ("plan", "plan_step", "dflash_sglang/worker.py"),
-    ("metrics", "_export_step", "dflash_sglang/worker.py"),
-    ("metrics", "_observe_step_start", "dflash_sglang/worker.py"),
-    ("verify", "forward_batch_generation", "sglang/srt/managers/tp_worker.py"),
-)
+# Innermost match wins: py-spy frames read `Class.method (file:line)`.
+PHASES = {
+    "DFlashXWorker.draft_block": "draft",
+    "DFlashXWorker.verify": "verify",
+    "DFlashXWorker.accept": "accept",
+    "DFlashXWorker._inject_committed": "inject",
+    "DFlashXWorker.plan_step": "plan",
+    "DFlashXWorker._export_step": "metrics",
+    "DFlashXWorker._observe_step_start": "metrics",
+    "TpModelWorker.forward_batch_generation": "verify",  # plain decoding's forward
+}
 PROMPT = "Write a detailed essay about the history of computing, with examples."
 
 
@@ -60,10 +62,24 @@ def scheduler_pid(server: Server) -> int:
 def phase_of(stack: str) -> str:
     """`stack` is py-spy's collapsed form: frames `func (file:line)` joined by ';'."""
     for frame in reversed(stack.split(";")):
-        for phase, func, path in PHASES:
-            if frame.startswith(func + " ") and path in frame:
-                return phase
+        phase = PHASES.get(frame.split(" (", 1)[0])
+        if phase is not None:
+            return phase
     return "scheduler"
+
+
+def event_loop_phases(lines: list[str]) -> Counter[str]:
+    """Phase counts of the scheduler's event-loop thread (`--threads` puts the thread first
+    in each stack); other threads (overlap workers, pools) are left out."""
+    by_thread: dict[str, Counter[str]] = {}
+    loop_samples: Counter[str] = Counter()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        thread, _, frames = stack.partition(";")
+        by_thread.setdefault(thread, Counter())[phase_of(frames)] += int(count)
+        if "Scheduler.run_event_loop" in frames:
+            loop_samples[thread] += int(count)
+    return by_thread[loop_samples.most_common(1)[0][0]]
 
 
 def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dict:
@@ -83,7 +99,8 @@ def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dic
     out = work / f"stacks_{server.port}_{concurrency}.txt"
     start = time.perf_counter()
     subprocess.run(
-        [str(Path(sys.executable).with_name("py-spy")), "record", "--idle", "--format", "raw",
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--idle", "--threads",
+         "--format", "raw",
          "--rate", "200", "--duration", str(int(seconds)), "--pid",
          str(scheduler_pid(server)), "--output", str(out), "--nonblocking"],
         check=True, capture_output=True,
@@ -93,10 +110,7 @@ def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dic
     stop.set()
     for t in threads:
         t.join()
-    samples: Counter[str] = Counter()
-    for line in out.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        samples[phase_of(stack)] += int(count)
+    samples = event_loop_phases(out.read_text().splitlines())
     total = sum(samples.values())
     tok_s = sum(n for t, n in done if start < t <= end) / (end - start)
     # A plain step emits one token per request in flight; DFLASH_X counts its steps.
@@ -124,9 +138,12 @@ def main() -> None:
     target = ensure_default_target()
     work = Path(tempfile.mkdtemp(prefix="dflash_profile_"))
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
+    dflash_x = [*common, "--speculative-draft-model-path", str(default_draft_dir())]
     arms = {
         "plain": [*common, "--speculative-algorithm", "NONE"],
-        "dflash_x": [*common, "--speculative-draft-model-path", str(default_draft_dir())],
+        "dflash_x": dflash_x,
+        "dflash_x_fixed": [*dflash_x, "--dflash-adaptive", "off", "--dflash-suffix", "off"],
+        "dflash_x_width1": [*dflash_x, "--dflash-widths", "1"],
     }
     report = {}
     for name, arm_args in arms.items():  # one server at a time: nothing else on the cores

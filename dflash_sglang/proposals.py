@@ -11,7 +11,9 @@ Options it does not pick are measured by exploration: every `explore_every` pick
 neighbouring drafting width runs instead, and an explored step that accepted more than
 predicted is explored again on the next pick, so a drafter that starts hitting again is
 measured in a burst of steps (an EMA moves little per step) rather than one per
-`explore_every`; one that keeps missing costs a single step per period.
+`explore_every`; one that keeps missing costs a single step per period. Exploration only
+spends an earned budget: its extra predicted time stays under `explore_budget` (2%) of the
+time of the steps it chose to exploit.
 
 Expected emitted tokens for request r at width w (notation of `adaptive`):
   E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs, S_suffix[m_r][:min(w-1, L_r)].sum())
@@ -20,7 +22,7 @@ where m_r and L_r are the match length and length of r's suffix proposal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
@@ -89,6 +91,7 @@ class Planner:
         hysteresis: float = 0.05,
         explore_every: int = 50,
         prefer_suffix: bool = False,
+        explore_budget: float = 0.02,
     ) -> None:
         if not widths or min(widths) < 1 or max(widths) > block_size:
             raise ValueError(f"widths must lie in [1, {block_size}], got {list(widths)}")
@@ -99,6 +102,8 @@ class Planner:
         self.suffix = [AcceptanceStats(block_size - 1) for _ in range(max_match)]
         self.hysteresis = hysteresis
         self.explore_every = explore_every
+        self.explore_budget = explore_budget  # share of step time exploration may add
+        self._credit = 0.0  # seconds of exploration the budget has earned and not spent
         self.prefer_suffix = prefer_suffix  # take any suffix proposal (`--dflash-suffix always`)
         self._current = _Option(self.widths[-1], self.widths[-1] > 1)
         self._picks = 0
@@ -140,7 +145,7 @@ class Planner:
             return sum(1.0 + expected(opt, r)[0] for r in range(bs)) / seconds(opt)
 
         options = self.options(any(p is not None for p in proposals))
-        chosen, explored = self._choose({opt: score(opt) for opt in options})
+        chosen, explored = self._choose({opt: score(opt) for opt in options}, seconds)
         takes_suffix = [expected(chosen, r)[1] for r in range(bs)]
         return StepPlan(
             width=chosen.width,
@@ -151,21 +156,30 @@ class Planner:
             proposals=tuple(proposals),
         )
 
-    def _choose(self, scores: dict[_Option, float]) -> tuple[_Option, bool]:
+    def _choose(
+        self, scores: dict[_Option, float], seconds: Callable[[_Option], float]
+    ) -> tuple[_Option, bool]:
         """Best option, kept sticky by hysteresis; every `explore_every` picks a neighbour, and
-        an explored option that beat its prediction again."""
+        an explored option that beat its prediction again — each only while the exploration
+        budget covers its extra time (a drafting step at a large batch costs several plain
+        ones, and measuring must not eat the speed it is there to find)."""
         self._picks += 1
         current = self._current if self._current in scores else None
         best = max(scores, key=lambda o: (scores[o], -o.width))
         if current is None or scores[best] > scores[current] * (1.0 + self.hysteresis):
             self._current = current = best
         again, self._explore_again = self._explore_again, None
+        candidate = None
         if again in scores and again != current:
-            return again, True
-        if self.explore_every and self._picks % self.explore_every == 0:
-            neighbour = self._neighbour(current)
-            if neighbour in scores and neighbour != current:
-                return neighbour, True
+            candidate = again
+        elif self.explore_every and self._picks % self.explore_every == 0:
+            candidate = self._neighbour(current)
+        if candidate is not None and candidate in scores and candidate != current:
+            extra = max(seconds(candidate) - seconds(current), 0.0)
+            if extra <= self._credit:
+                self._credit -= extra
+                return candidate, True
+        self._credit += self.explore_budget * seconds(current)
         return current, False
 
     def _neighbour(self, opt: _Option) -> _Option:

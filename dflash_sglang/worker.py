@@ -169,7 +169,7 @@ class DFlashXWorker(DFlashWorkerV2):
         prefix_lens = batch.seq_lens
         host_lens = self._host_prefix_lens(batch, draft_input)
         start = self._observe_step_start()
-        plan = self.plan_step(batch, draft_input)
+        plan = self.plan_step(batch, host_lens)
         self._last_step = (plan, bs, start)
         width = plan.width
 
@@ -232,29 +232,29 @@ class DFlashXWorker(DFlashWorkerV2):
 
     # ---- seams ----------------------------------------------------------------------------
 
-    def plan_step(self, batch: ScheduleBatch, draft_input: DFlashDraftInputV2) -> StepPlan:
+    def plan_step(self, batch: ScheduleBatch, host_lens: torch.Tensor) -> StepPlan:
         """Source per request, verify width and draft on/off (`proposals.Planner`).
 
         Every TP rank sees the same requests and counts but times its own steps, so its
         planner may choose differently: under TP > 1 rank 0's choice is broadcast.
         """
-        plan = self.planner.plan(self._suffix_proposals(batch, draft_input))
+        plan = self.planner.plan(self._suffix_proposals(batch, host_lens))
         group = get_dp_tp_group()
         if group.world_size == 1:
             return plan
         return plan.with_choice(group.broadcast_object(plan.choice(), src=0))
 
-    def _suffix_proposals(self, batch, draft_input) -> list[SuffixProposal | None]:
+    def _suffix_proposals(self, batch, host_lens) -> list[SuffixProposal | None]:
         """Each request's index catches up with its committed text, then looks itself up.
 
-        The text must end at the pending bonus token (the block's anchor): with overlap
-        scheduling `output_ids` trails by one step, and such a request gets no proposal.
+        The text must end at the pending bonus token (the block's anchor, the one committed
+        token without KV yet): with overlap scheduling `output_ids` trails by a step, and
+        such a request gets no proposal. Checked on host lengths, so no device sync.
         """
         if not self.options.suffix:
             return [None] * len(batch.reqs)
-        bonus = draft_input.bonus_tokens.tolist()
         out = []
-        for req, anchor in zip(batch.reqs, bonus, strict=True):
+        for req, kv_len in zip(batch.reqs, host_lens.tolist(), strict=True):
             index = self._suffix_indexes.get(req)
             if index is None:
                 index = self._suffix_indexes[req] = SuffixIndex(
@@ -265,7 +265,7 @@ class DFlashXWorker(DFlashWorkerV2):
             if done < len(prompt):
                 index.extend(prompt[done:])
             index.extend(req.output_ids[len(index) - len(prompt) :])
-            at_anchor = req.output_ids and req.output_ids[-1] == anchor
+            at_anchor = len(index) == kv_len + 1
             out.append(index.propose() if at_anchor else None)
         return out
 

@@ -82,7 +82,9 @@ def test_without_exploration_plain_decoding_never_learns_the_drafter_is_back():
 
 
 def test_an_explored_step_that_beats_its_prediction_is_explored_again():
-    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=3)
+    planner = Planner(
+        BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=3, explore_budget=float("inf")
+    )
     for _ in range(300):  # the drafter has been missing for long: plain decoding
         planner.dflash.observe(0, BLOCK - 1)
     proposals = [None] * BS
@@ -249,3 +251,15 @@ def test_another_ranks_choice_reuses_this_ranks_proposals():
     assert (other.width, other.run_draft, other.suffix) == (2, True, (None, None))
     back = other.with_choice((4, False, (True, False)))
     assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (True, False))
+
+
+def test_exploration_spends_at_most_its_budget_of_step_time():
+    """Explored steps cost 3x a plain step here: with a 2% budget and a pick every step
+    allowed, the extra time stays within 2% of the time spent on plain steps."""
+    planner = Planner(4, (1, 4), CostModel((1.0, 0.0, 0.0, 2.0 / 4)), explore_every=1)
+    for _ in range(300):
+        planner.dflash.observe(0, 3)
+    plans = [planner.plan([None]) for _ in range(2000)]
+    plain = sum(1.0 for p in plans if not p.explored)
+    extra = sum(p.predicted_seconds - 1.0 for p in plans if p.explored)
+    assert plans[0].width == 1 and 0 < extra <= 0.02 * plain
