@@ -38,6 +38,10 @@ class AcceptanceStats:
     accepted `a` reached slots 0..a (0..a-1 accepted, slot a rejected if a < n) and says
     nothing about slots beyond, so a narrow width never drags the wide slots' estimates down.
 
+    Each slot's weight on a new observation is max(1 - decay, 1 / (n + 2)) after n earlier
+    ones: a running mean (the prior counting as one observation) until the EMA's horizon
+    is reached, so a fresh server learns its drafter in tens of steps, not hundreds.
+
     Slots never reached yet follow the deepest reached one instead of keeping the prior: a
     source seen accepting up to slot k likely accepts beyond it, and a pessimistic prior on
     the wide slots would keep the planner from ever trying the width that measures them.
@@ -51,6 +55,7 @@ class AcceptanceStats:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         self._rates = [float(prior)] * num_slots
+        self._counts = [0] * num_slots  # observations that reached each slot
         self._decay = decay
         self._observations = 0
         self._reached = 0  # slots 0.._reached-1 have been verified at least once
@@ -71,16 +76,20 @@ class AcceptanceStats:
                 f"need 0 <= accepted <= offered <= {len(self._rates)}, "
                 f"got accepted={accepted}, offered={offered}"
             )
-        d = self._decay
-        for k in range(accepted):  # reached and accepted: c[k] <- d*c[k] + (1-d)*1
-            self._rates[k] = d * self._rates[k] + (1.0 - d)
-        if accepted < offered:  # reached and rejected: c[k] <- d*c[k] + (1-d)*0
-            self._rates[accepted] *= d
+        for k in range(accepted):  # reached and accepted: c[k] <- c[k] + a*(1 - c[k])
+            self._update(k, 1.0)
+        if accepted < offered:  # reached and rejected: c[k] <- c[k] + a*(0 - c[k])
+            self._update(accepted, 0.0)
         self._observations += 1
         self._reached = max(self._reached, min(accepted + 1, offered))
         if self._reached:
             tail = self._rates[self._reached - 1]
             self._rates[self._reached :] = [tail] * (len(self._rates) - self._reached)
+
+    def _update(self, k: int, outcome: float) -> None:
+        weight = max(1.0 - self._decay, 1.0 / (self._counts[k] + 2))
+        self._rates[k] += weight * (outcome - self._rates[k])
+        self._counts[k] += 1
 
     def survival(self) -> list[float]:
         """S[k] = P(accepted > k) = prod_{j<=k} c[j]."""

@@ -46,10 +46,21 @@ def test_censored_slots_are_unchanged():
 def test_slots_never_reached_follow_the_deepest_reached_slot():
     stats = AcceptanceStats(6, prior=0.3, decay=0.9)
     assert stats.rates == [0.3] * 6  # nothing reached: the prior
+    # First observation of a slot weighs 1/2 (the prior counts as one): 0.3 -> 0.65.
     stats.observe(accepted=2, offered=2)  # slots 0, 1 accepted; slot 2 never verified
-    assert stats.rates == pytest.approx([0.37] * 6)
-    stats.observe(accepted=2, offered=4)  # slot 2 reached (rejected) from the 0.37 it showed
-    assert stats.rates == pytest.approx([0.433, 0.433, 0.333, 0.333, 0.333, 0.333])
+    assert stats.rates == pytest.approx([0.65] * 6)
+    # Second observation of slots 0, 1 weighs 1/3; slot 2 reached (rejected) from 0.65.
+    stats.observe(accepted=2, offered=4)
+    assert stats.rates == pytest.approx([0.65 + 0.35 / 3] * 2 + [0.325] * 4)
+
+
+def test_a_running_mean_until_the_ema_horizon_then_the_ema():
+    stats = AcceptanceStats(1, prior=0.5, decay=0.9)
+    for _ in range(8):  # weights 1/2 .. 1/9: the mean of the prior and 8 rejections
+        stats.observe(accepted=0, offered=1)
+    assert stats.rates[0] == pytest.approx(0.5 / 9)
+    stats.observe(accepted=1, offered=1)  # weight max(1 - 0.9, 1/10) = 0.1
+    assert stats.rates[0] == pytest.approx(0.5 / 9 + 0.1 * (1 - 0.5 / 9))
 
 
 @pytest.mark.parametrize("accepted, offered", [(3, 2), (-1, 2), (0, 5), (1, -1)])

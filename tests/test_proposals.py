@@ -186,9 +186,10 @@ def test_observe_credits_each_source_and_match_length():
     planner.observe(plan, [5, 0, 7])
     assert [s.observations for s in planner.suffix] == [0, 1, 0, 1]
     assert planner.dflash.observations == 1
-    assert planner.suffix[1].rates[:3] == pytest.approx([0.51] * 3)  # accepted 3 of 3
-    assert planner.suffix[3].rates[0] == pytest.approx(0.49)  # rejected at slot 0
-    assert planner.dflash.rates[:7] == pytest.approx([0.51] * 7)
+    # A slot's first observation weighs 1/2 against the 0.5 prior.
+    assert planner.suffix[1].rates[:3] == pytest.approx([0.75] * 3)  # accepted 3 of 3
+    assert planner.suffix[3].rates[0] == pytest.approx(0.25)  # rejected at slot 0
+    assert planner.dflash.rates[:7] == pytest.approx([0.75] * 7)
 
 
 def test_observe_ignores_requests_that_verified_nothing():
