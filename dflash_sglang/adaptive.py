@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# Placeholder step cost for a CPU target, seconds per [step, request, verified token, drafted
-# token]; measurements replace it within a few steps.
-DEFAULT_CPU_PRIOR = (0.08, 0.002, 0.002, 0.001)
+# Step cost, seconds per [step, request, verified token, drafted token], as profiled for the
+# embedded SmolLM2 pair on a 2-core CPU (bench/profile_step.py: a plain step 115 ms at 1
+# request and 155 ms at 8, +1.6 ms per verified and +1.4 ms per drafted token); each server
+# replaces it with its own measurements within a few steps.
+DEFAULT_CPU_PRIOR = (0.11, 0.005, 0.0016, 0.0014)
 
 _MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive
 _NUM_FEATURES = 4

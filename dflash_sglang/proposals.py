@@ -107,7 +107,7 @@ class Planner:
         self.prefer_suffix = prefer_suffix  # take any suffix proposal (`--dflash-suffix always`)
         self._current = _Option(self.widths[-1], self.widths[-1] > 1)
         self._picks = 0
-        self._explore_up = True
+        self._explore_turns = 0
         self._explore_again: _Option | None = None  # an explored option that beat its prediction
 
     def options(self, any_suffix: bool) -> list[_Option]:
@@ -178,18 +178,24 @@ class Planner:
             extra = max(seconds(candidate) - seconds(current), 0.0)
             if extra <= self._credit:
                 self._credit -= extra
+                self._explore_turns += candidate != again
                 return candidate, True
         self._credit += self.explore_budget * seconds(current)
         return current, False
 
     def _neighbour(self, opt: _Option) -> _Option:
-        """Next width up or down (alternating), drafting: the only way to see the drafter
-        again once plain decoding or suffix-only steps won."""
+        """In turn: the next width up (drafting: the only way to see the drafter again once
+        plain decoding or suffix-only steps won), plain decoding (the only way to measure
+        what the drafter costs: at a fixed batch size a step that always drafts cannot tell
+        the drafter's time from the step's own), and the next width down."""
         i = self.widths.index(opt.width)
-        up = self._explore_up or i == 0
-        self._explore_up = not self._explore_up
-        j = min(i + 1, len(self.widths) - 1) if up else i - 1
-        w = self.widths[j]
+        turn = self._explore_turns % 3
+        if i == 0 or turn == 0:
+            w = self.widths[min(i + 1, len(self.widths) - 1)]
+        elif turn == 1 and self.widths[0] == 1:
+            w = 1
+        else:
+            w = self.widths[i - 1]
         return _Option(w, w > 1)
 
     def observe(self, plan: StepPlan, accepted: Sequence[int]) -> None:

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
-from dflash_sglang.proposals import DFLASH, SUFFIX, Planner, StepPlan
+from dflash_sglang.proposals import DFLASH, SUFFIX, Planner, StepPlan, _Option
 from dflash_sglang.suffix import SuffixProposal
 
 BLOCK = 16
@@ -264,3 +264,17 @@ def test_exploration_spends_at_most_its_budget_of_step_time():
     plain = sum(1.0 for p in plans if not p.explored)
     extra = sum(p.predicted_seconds - 1.0 for p in plans if p.explored)
     assert plans[0].width == 1 and 0 < extra <= 0.02 * plain
+
+
+def test_exploration_cycles_up_plain_and_down():
+    planner = Planner(16, (1, 2, 4, 8, 16), CostModel(DEFAULT_CPU_PRIOR), explore_every=1)
+    planner._current = _Option(4, True)  # drafting at width 4, held there by hysteresis
+    planner.hysteresis = float("inf")
+    planner.explore_budget = float("inf")
+    picks = [planner.plan([None]) for _ in range(4)]
+    assert [(p.width, p.run_draft, p.explored) for p in picks] == [
+        (4, True, False),  # exploiting first earns the budget the explorations spend
+        (8, True, True),
+        (1, False, True),
+        (2, True, True),
+    ]

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from dflash_sglang.server.stats import (
@@ -81,31 +83,22 @@ def test_nothing_drafted_gives_no_ratios():
 
 
 def test_series_rates_between_recorded_snapshots():
+    busy = Snapshot(
+        time=2.0,
+        drafts=4,
+        accepted=6,
+        request_steps=6,
+        steps=6,
+        plain_steps=2,
+        width_sum=18,
+        width_count=6,
+        generated_tokens=30,
+    )
     snaps = [
         Snapshot(time=0.0),
         Snapshot(time=1.0, drafts=2, accepted=2, request_steps=2, generated_tokens=10),
-        Snapshot(
-            time=2.0,
-            drafts=4,
-            accepted=6,
-            request_steps=6,
-            steps=6,
-            plain_steps=2,
-            width_sum=18,
-            width_count=6,
-            generated_tokens=30,
-        ),
-        Snapshot(
-            time=5.0,
-            drafts=4,
-            accepted=6,
-            request_steps=6,
-            steps=6,
-            plain_steps=2,
-            width_sum=18,
-            width_count=6,
-            generated_tokens=30,
-        ),
+        busy,
+        replace(busy, time=5.0),  # then idle: no counter moved
     ]
     points = series(snaps, step_s=2.0)
     assert [p["time"] for p in points] == [2.0, 5.0]
