@@ -8,6 +8,9 @@ our launcher on the same build: DFLASH_X with the drafter, and plain decoding. P
 both servers one at a time, alternating which goes first, so the speedup is a same-run ratio.
 Temperature 0, block size of the drafter, up to --max-new-tokens new tokens. Each prompt is
 also decoded by the target alone (HF, fp32): the reference loop must reproduce it exactly.
+The DFLASH_X server runs pure DFlash (whole block every step, no suffix lookup) unless
+--dflash-args says otherwise, so its τ is the drafter's; --temperature-one adds τ and the
+speedup at temperature 1 (exact sampling) through the same two servers.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash_sglang.options import PURE_DFLASH_ARGS  # noqa: E402
 
 
 def table(report: dict) -> str:
@@ -26,21 +32,46 @@ def table(report: dict) -> str:
     rows = [
         "| set | prompts | τ reference | reference = plain greedy | τ server "
         "| server tok/s DFLASH_X / AR | speedup | same output as AR "
+        "| acceptance at draft 1 / 2 / 3 | τ server T=1 | speedup T=1 "
         "| server histogram (accepted length 1..16) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in report.items():
         if not isinstance(entry, dict) or "reference" not in entry:
             continue
-        ref, srv = entry["reference"], entry.get("server", {})
+        ref, srv, t1 = entry["reference"], entry.get("server", {}), entry.get("server_t1", {})
+        first = " / ".join(f"{x:.2f}" for x in srv.get("accept_at", [])[:3])
         rows.append(
             f"| {name} | {entry['prompts']} | {ref['tau']:.2f} "
             f"| {ref.get('same_as_plain_greedy', '-')} | {srv.get('tau') or 0:.2f} "
             f"| {srv.get('tokens_per_s', 0):.1f} / {srv.get('baseline_tokens_per_s', 0):.1f} "
             f"| {srv.get('speedup', 0):.2f}x | {srv.get('same_output_as_baseline', '-')} "
+            f"| {first} | {t1.get('tau') or 0:.2f} | {t1.get('speedup', 0):.2f}x "
             f"| {' '.join(map(str, srv.get('histogram', [])))} |"
         )
     return "\n".join(rows)
+
+
+def _temperature_one(report: dict, target, url: str, baseline: str, max_new: int) -> None:
+    """τ and speedup at temperature 1 on the same prompts, through the same servers."""
+    from transformers import AutoTokenizer
+
+    from dflash_sglang.training import evaluate
+    from dflash_sglang.training.data import chat_ids, heldout_sets
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    texts = heldout_sets()
+    for name, entry in report.items():
+        if not isinstance(entry, dict) or "reference" not in entry:
+            continue
+        prompts = [
+            chat_ids(tokenizer, t, evaluate.MAX_PROMPT_TOKENS)
+            for t in texts[name][: entry["prompts"]]
+        ]
+        bs = report["block_size"]
+        entry["server_t1"] = evaluate.through_server(
+            url, prompts, max_new, bs, baseline, temperature=1.0
+        )
 
 
 def main() -> int:
@@ -52,6 +83,11 @@ def main() -> int:
     ap.add_argument("--server-dtype", default="bfloat16", help="servers' --dtype (as served)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
     ap.add_argument("--out", required=True, help="JSON report (a .md table is written beside)")
+    ap.add_argument(
+        "--dflash-args",
+        help=f"extra DFLASH_X server flags (default: pure DFlash: {' '.join(PURE_DFLASH_ARGS)})",
+    )
+    ap.add_argument("--temperature-one", action="store_true", help="also measure at T=1")
     args = ap.parse_args()
 
     import torch
@@ -69,8 +105,9 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="dflash_report_"))
     common = ["--model-path", str(target), "--dtype", args.server_dtype]
     common += ["--max-total-tokens", "16384"]
-    dflash = Server([*common, "--speculative-draft-model-path", drafter], logs / "dflash.log",
-                    threads=args.threads)  # fmt: skip
+    extra = args.dflash_args.split() if args.dflash_args is not None else list(PURE_DFLASH_ARGS)
+    dflash = Server([*common, "--speculative-draft-model-path", drafter, *extra],
+                    logs / "dflash.log", threads=args.threads)  # fmt: skip
     try:
         ar = Server([*common, "--speculative-algorithm", "NONE"], logs / "ar.log",
                     threads=args.threads)  # fmt: skip
@@ -87,11 +124,14 @@ def main() -> int:
                 baseline_url=ar.url,
                 check_greedy=True,
             )
+            if args.temperature_one:
+                _temperature_one(report, target, dflash.url, ar.url, args.max_new_tokens)
         finally:
             ar.stop()
     finally:
         dflash.stop()
     report["server_dtype"] = args.server_dtype
+    report["dflash_args"] = extra
     if Path(drafter).resolve().is_relative_to(REPO):  # no machine paths in committed reports
         report["drafter"] = str(Path(drafter).resolve().relative_to(REPO))
     out = Path(args.out)

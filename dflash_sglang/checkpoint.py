@@ -54,6 +54,13 @@ def read_config(model_path: str, role: str) -> dict[str, Any]:
         raise CheckpointError(f"{role} model {model_path!r} cannot be resolved: {e}") from e
 
 
+def rope_theta_of(config: dict[str, Any]) -> float:
+    """The RoPE base of a HF config: transformers 5 writes it under `rope_parameters`, older
+    configs at the top level (a drafter copying target layers must rotate like the target)."""
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
 def _require_weights(model_path: str, role: str) -> None:
     path = Path(model_path)
     if path.is_dir() and not any(path.glob("*.safetensors")):
@@ -156,7 +163,7 @@ def write_random_draft(
         "head_dim": head_dim,
         "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
         "rms_norm_eps": 1e-6,
-        "rope_theta": float(target.get("rope_theta", 10000.0)),
+        "rope_theta": rope_theta_of(target),
         "vocab_size": vocab,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",

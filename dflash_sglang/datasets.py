@@ -64,8 +64,10 @@ def sharegpt(limit: int | None = None) -> list[str]:
     return [human for human, _ in sharegpt_pairs(limit)]
 
 
-def sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
-    """(first human turn, the reply that follows it, or "") of ShareGPT V3 conversations.
+def sharegpt_pairs(limit: int | None = None, all_turns: bool = False) -> list[tuple[str, str]]:
+    """(human turn, the reply that follows it, or "") of ShareGPT V3 conversations: the
+    first human turn of each, or with `all_turns` every human turn (later ones read without
+    the conversation before them: plenty of text for a drafter, ~4x the first turns).
 
     The replies are ChatGPT's, not any target's: drafter training uses them only as text
     for the target to read (its own predictions become the labels, `--labels target`).
@@ -74,15 +76,18 @@ def sharegpt_pairs(limit: int | None = None) -> list[tuple[str, str]]:
         raise ValueError(f"limit must be >= 0, got {limit}")
     pairs: list[tuple[str, str]] = []
     for conversation in iter_json_array(data_file(SHAREGPT)):
-        if limit is not None and len(pairs) >= limit:
-            break
         turns = conversation.get("conversations", [])
-        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
-        if first is None or not turns[first].get("value", "").strip():
-            continue
-        nxt = turns[first + 1] if first + 1 < len(turns) else {}
-        reply = nxt.get("value", "") if nxt.get("from") == "gpt" else ""
-        pairs.append((turns[first]["value"], reply))
+        for i, turn in enumerate(turns):
+            if limit is not None and len(pairs) >= limit:
+                return pairs
+            if turn.get("from") != "human":
+                continue
+            if turn.get("value", "").strip():
+                nxt = turns[i + 1] if i + 1 < len(turns) else {}
+                reply = nxt.get("value", "") if nxt.get("from") == "gpt" else ""
+                pairs.append((turn["value"], reply))
+            if not all_turns:
+                break
     return pairs
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 ENV_PREFIX = "DFLASH_SGLANG_"
 DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
+# Every step drafts and verifies the whole block: what measures a drafter's own τ.
+PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_sglang.draft_vocab import draft_argmax
-from dflash_sglang.training.model import DFlashDrafter
+from dflash_sglang.drafter import DFlashDrafter
 
 
 @dataclass

@@ -7,12 +7,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_sglang.managed_server import Server, free_port
+from dflash_sglang.options import PURE_DFLASH_ARGS
 
 __all__ = ["PURE_DFLASH", "Server", "ar_and_dflash", "free_port"]
 
 # The DFlash block verified whole every step: what tests comparing exact acceptance
 # against the reference loop (or a pair of known acceptance) serve.
-PURE_DFLASH = ["--dflash-adaptive", "off", "--dflash-suffix", "off"]
+PURE_DFLASH = list(PURE_DFLASH_ARGS)
 
 
 @contextmanager

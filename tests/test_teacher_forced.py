@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training import evaluate, features
-from dflash_sglang.training.model import DFlashDrafter
 from dflash_sglang.training.train import Head
 
 PROMPTS = [[5, 9, 13, 2], [40, 41, 42, 43, 44, 45], [7, 100, 7, 100, 7]]

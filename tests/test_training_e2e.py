@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_sglang.draft_vocab import most_frequent
+from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.__main__ import main
 from dflash_sglang.training.data import read_samples
-from dflash_sglang.training.model import DFlashDrafter
 from tests.server import PURE_DFLASH, Server
 
 pytestmark = pytest.mark.server
@@ -120,6 +120,17 @@ def test_target_labels_train_from_the_cli(run, tmp_path):
     assert (tmp_path / "drafter" / "model.safetensors").exists()
 
 
+def test_yardstick_from_the_cli(run, tmp_path):
+    """The slot-1 yardstick and the drafter's slot 1, scored on the same held-out positions."""
+    out = tmp_path / "yardstick.json"
+    drafter = run["root"] / "straight" / "drafter"
+    args = ["yardstick", "--target", run["target"], "--features-dir", str(run["features"])]
+    args += ["--heldout-features", str(run["features"]), "--drafter", str(drafter)]
+    assert main([*args, "--epochs", "2", "--out", str(out)]) == 0
+    entry = json.loads(out.read_text())[run["features"].name]
+    assert 0 < entry["yardstick_top1"] <= 1 and 0 <= entry["drafter_slot1"] <= 1
+
+
 def test_export_round_trip(run, tmp_path):
     ckpt = run["root"] / "straight" / "checkpoint.pt"
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 0
@@ -148,6 +159,10 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     gen = ["generate", "--out", str(tmp_path / "x"), "--prompt-set", "mt_bench"]
     assert main([*gen, "--responses", "dataset"]) == 2
     assert "--prompt-set mt_bench has no replies" in capsys.readouterr().err
+    assert main([*gen, "--all-turns"]) == 2
+    assert "--all-turns" in capsys.readouterr().err
+    assert _train(run, tmp_path, "--rope-theta", "-1") == 2
+    assert "--rope-theta" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--out", "x", "--num-prompts", "0"])
     assert exc.value.code == 2

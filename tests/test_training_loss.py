@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_sglang.drafter import DraftConfig
 from dflash_sglang.training.features import Example
-from dflash_sglang.training.model import DraftConfig
 from dflash_sglang.training.train import Head, block_loss, new_drafter
 
 V, H, S = 64, 32, 12

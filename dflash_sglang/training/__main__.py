@@ -4,6 +4,7 @@ generate  real prompts -> target responses through an SGLang server (JSONL, resu
 features  target layer outputs for every sample, cached once (resumable shards)
 train     the drafter on cached features (resumable checkpoints, progress bar)
 evaluate  τ and the acceptance histogram on held-out sets with the reference loop
+yardstick what slot 1 can reach: a one-layer next-token head on the same cached features
 export    a training checkpoint -> z-lab drafter directory (bf16)
 """
 
@@ -61,11 +62,13 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
     from dflash_sglang.training import data
 
+    if a.all_turns and a.prompt_set != "sharegpt":
+        raise CliError(f"--all-turns: --prompt-set {a.prompt_set} has single-turn prompts")
     if a.responses == "dataset" and a.prompt_set != "sharegpt":
         raise CliError(f"--responses dataset: --prompt-set {a.prompt_set} has no replies")
     target = _target_path(a.target)
     if a.prompt_set == "sharegpt":
-        prompts = data.training_prompts(a.num_prompts)
+        prompts = data.training_prompts(a.num_prompts, a.all_turns)
     else:
         prompts = data.heldout_prompts(a.prompt_set, a.num_prompts)
     out = Path(a.out)
@@ -122,6 +125,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
 
 def _draft_config(a: argparse.Namespace, target: Path, tokenizer):
+    import dataclasses
+
     from dflash_sglang.checkpoint import read_config
     from dflash_sglang.training.train import draft_config_for
 
@@ -140,13 +145,18 @@ def _draft_config(a: argparse.Namespace, target: Path, tokenizer):
                 "(pick an unused special token, or --mask-token-id)"
             )
     layer_ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
-    return draft_config_for(
+    config = draft_config_for(
         target_config,
         num_layers=a.num_layers,
         block_size=a.block_size,
         mask_token_id=mask_id,
         target_layer_ids=layer_ids,
     )
+    if a.rope_theta is not None:
+        if a.rope_theta <= 0:
+            raise CliError(f"--rope-theta must be > 0, got {a.rope_theta}")
+        config = dataclasses.replace(config, rope_theta=a.rope_theta)
+    return config
 
 
 def cmd_features(a: argparse.Namespace) -> None:
@@ -178,8 +188,8 @@ def cmd_train(a: argparse.Namespace) -> None:
     import torch
 
     from dflash_sglang import draft_vocab
+    from dflash_sglang.drafter import DFlashDrafter
     from dflash_sglang.training import data, features, train
-    from dflash_sglang.training.model import DFlashDrafter
 
     torch.set_num_threads(a.threads)
     if bool(a.features_dir) == bool(a.data):
@@ -280,8 +290,8 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 
 def _teacher_forced(features_dir: str, target_dir: Path, drafter_dir: Path) -> dict:
+    from dflash_sglang.drafter import DFlashDrafter
     from dflash_sglang.training import evaluate, features
-    from dflash_sglang.training.model import DFlashDrafter
 
     source = _existing_dir("--features-dir", features_dir)
     drafter = DFlashDrafter.load(drafter_dir).eval()
@@ -300,10 +310,57 @@ def _teacher_forced(features_dir: str, target_dir: Path, drafter_dir: Path) -> d
     return {"drafter": str(drafter_dir), "features": str(source), "teacher_forced": result}
 
 
+def cmd_yardstick(a: argparse.Namespace) -> None:
+    import torch
+
+    from dflash_sglang import draft_vocab
+    from dflash_sglang.drafter import DFlashDrafter
+    from dflash_sglang.training import features, yardstick
+    from dflash_sglang.training.train import Head
+
+    torch.set_num_threads(a.threads)
+    source = _existing_dir("--features-dir", a.features_dir)
+    heldout = [_existing_dir("--heldout-features", d) for d in a.heldout_features.split(",")]
+    layers = json.loads((source / "meta.json").read_text())["target_layer_ids"]
+    for root in heldout:
+        try:
+            features.check_layers(root, layers)
+        except ValueError as e:
+            raise CliError(f"--heldout-features: {e}") from e
+    drafter = None
+    if a.drafter:
+        drafter = DFlashDrafter.load(_existing_dir("--drafter", a.drafter)).eval()
+        try:
+            features.check_layers(source, list(drafter.config.target_layer_ids))
+        except ValueError as e:
+            raise CliError(f"--drafter: {e}") from e
+    target, _ = _load_target(_target_path(a.target), "float32")
+    embed = target.get_input_embeddings()
+    train_examples = features.load(source)
+    if drafter is not None:  # the drafter's own output vocabulary, for a like-for-like score
+        vocab = drafter.draft_vocab_ids
+    else:
+        responses = [e.input_ids[e.prompt_len :].tolist() for e in train_examples]
+        vocab = draft_vocab.most_frequent(responses, a.draft_vocab_size)
+    head = Head(target.get_output_embeddings().weight.detach().float(), vocab)
+    model = yardstick.fit(train_examples, embed, head, epochs=a.epochs)
+    report: dict = {"features": str(source), "target_layer_ids": layers, "epochs": a.epochs}
+    for root in heldout:
+        examples = features.load(root)
+        entry = {"yardstick_top1": yardstick.top1(model, examples, embed, head)}
+        if drafter is not None:
+            entry["drafter_slot1"] = yardstick.drafter_slot1(drafter, examples, embed, head)
+        report[root.name] = entry
+    text = json.dumps(report, indent=1)
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+
+
 def cmd_export(a: argparse.Namespace) -> None:
     import torch
 
-    from dflash_sglang.training.model import DFlashDrafter, DraftConfig
+    from dflash_sglang.drafter import DFlashDrafter, DraftConfig
 
     state = torch.load(_existing_file("--checkpoint", a.checkpoint), weights_only=False)
     drafter = DFlashDrafter(DraftConfig.from_json(state["draft_config"]))
@@ -330,6 +387,7 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
         sp.add_argument("--mask-token-id", type=int, help="mask token id (e.g. Qwen3: 151669)")
         sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
+        sp.add_argument("--rope-theta", type=float, help="draft RoPE base (default: the target's)")
 
     g = sub.add_parser("generate", help="target responses to real prompts")
     common(g)
@@ -354,6 +412,11 @@ def parser() -> argparse.ArgumentParser:
         default="target",
         help="target: regenerate through a server; dataset: the prompt set's own replies "
         "(no server; train them with --labels target)",
+    )
+    g.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="ShareGPT: every human turn, not only the first (after all first turns)",
     )
     g.set_defaults(func=cmd_generate)
 
@@ -425,6 +488,18 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write the JSON report here")
     e.set_defaults(func=cmd_evaluate)
 
+    y = sub.add_parser("yardstick", help="slot-1 yardstick: a one-layer head, same features")
+    common(y)
+    y.add_argument("--features-dir", required=True, help="cached training features")
+    y.add_argument(
+        "--heldout-features", required=True, help="comma list of cached held-out feature dirs"
+    )
+    y.add_argument("--drafter", help="also the drafter's slot 1 on the same positions")
+    y.add_argument("--epochs", type=int, default=3)
+    y.add_argument("--draft-vocab-size", type=int, default=8192, help="head size without --drafter")
+    y.add_argument("--out", help="write the JSON report here")
+    y.set_defaults(func=cmd_yardstick)
+
     x = sub.add_parser("export", help="checkpoint.pt -> z-lab drafter dir")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
@@ -435,7 +510,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    for flag in ("num_prompts", "batch_size", "threads", "num_layers", "block_size", "limit"):
+    for flag in (
+        "num_prompts",
+        "batch_size",
+        "threads",
+        "num_layers",
+        "block_size",
+        "limit",
+        "epochs",
+        "draft_vocab_size",
+    ):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")

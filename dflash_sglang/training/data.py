@@ -63,12 +63,16 @@ def decontaminate(prompts: Iterable[Prompt], heldout: Iterable[str]) -> Iterator
             yield p
 
 
-def training_prompts(limit: int) -> list[Prompt]:
-    """ShareGPT first turns, deduplicated and decontaminated against every held-out set."""
+def training_prompts(limit: int, all_turns: bool = False) -> list[Prompt]:
+    """ShareGPT first turns (or every human turn), deduplicated and decontaminated against
+    every held-out set. First turns come first, so a run that grows keeps its samples."""
     heldout = [t for texts in heldout_sets().values() for t in texts]
     seen: set[str] = set()
     unique = []
-    for text, reply in datasets.sharegpt_pairs():
+    pairs = datasets.sharegpt_pairs()
+    if all_turns:
+        pairs += datasets.sharegpt_pairs(all_turns=True)
+    for text, reply in pairs:
         key = _normal(text)
         if key and key not in seen:
             seen.add(key)

@@ -13,21 +13,30 @@ from pathlib import Path
 
 import requests
 
+from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.data import chat_ids, heldout_sets
-from dflash_sglang.training.model import DFlashDrafter
 
 MAX_PROMPT_TOKENS = 1024
 
 
+def accept_at(histogram: list[int]) -> list[float]:
+    """Acceptance per draft position: the share of steps that accepted draft k (k = 0..B-2),
+    i.e. whose length (bonus included, `histogram[n - 1]` steps of length n) exceeds k + 1."""
+    steps = max(1, sum(histogram))
+    return [sum(histogram[k + 1 :]) / steps for k in range(len(histogram) - 1)]
+
+
 def summarize(lengths: list[int], tokens: int, seconds: float, block_size: int) -> dict:
     hist = Counter(lengths)
+    histogram = [hist.get(n, 0) for n in range(1, block_size + 1)]
     return {
         "tau": sum(lengths) / len(lengths) if lengths else None,
         "steps": len(lengths),
         "output_tokens": tokens,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "histogram": [hist.get(n, 0) for n in range(1, block_size + 1)],
+        "histogram": histogram,
+        "accept_at": accept_at(histogram),
     }
 
 
@@ -40,10 +49,12 @@ def histogram_from_buckets(deltas: dict[str, float], block_size: int) -> list[in
     return [int(c - p) for c, p in zip(cumulative, [0.0, *cumulative[:-1]], strict=True)]
 
 
-def _timed_generate(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+def _timed_generate(
+    url: str, ids: list[int], max_new_tokens: int, temperature: float = 0.0
+) -> tuple[list[int], float]:
     body = {
         "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens},
     }
     started = time.monotonic()
     r = requests.post(url + "/generate", json=body, timeout=3600)
@@ -57,9 +68,12 @@ def through_server(
     max_new_tokens: int,
     block_size: int,
     baseline_url: str | None = None,
+    temperature: float = 0.0,
 ) -> dict:
     """τ from the server's counters; with `baseline_url` (plain decoding, same build) each
-    prompt also runs there, alternating which goes first, so machine noise hits both alike."""
+    prompt also runs there, alternating which goes first, so machine noise hits both alike.
+    At `temperature` > 0 the server samples exactly (outputs then differ from the baseline's
+    by chance, not by error)."""
     from dflash_sglang import metrics
     from dflash_sglang.loadtest import server_metrics
 
@@ -70,7 +84,7 @@ def through_server(
         arms = [("dflash", url), ("baseline", baseline_url)] if baseline_url else [("dflash", url)]
         outputs = {}
         for arm, arm_url in arms if i % 2 == 0 else arms[::-1]:
-            outputs[arm], took = _timed_generate(arm_url, ids, max_new_tokens)
+            outputs[arm], took = _timed_generate(arm_url, ids, max_new_tokens, temperature)
             seconds[arm] += took
         tokens += len(outputs["dflash"])
         same += outputs.get("baseline") == outputs["dflash"]
@@ -82,6 +96,7 @@ def through_server(
         "tokens_per_s": tokens / seconds["dflash"],
         "histogram": histogram_from_buckets(deltas, block_size),
     }
+    entry["accept_at"] = accept_at(entry["histogram"])
     if baseline_url:
         entry["baseline_tokens_per_s"] = tokens / seconds["baseline"]
         entry["speedup"] = seconds["baseline"] / seconds["dflash"]
@@ -148,7 +163,7 @@ def teacher_forced(drafter: DFlashDrafter, embed, lm_head_weight, examples) -> d
     for ex in examples:
         lengths += decode_walk(drafter, embed, head, ex)
     summary = summarize(lengths, sum(lengths), 0.0, drafter.config.block_size)
-    return {k: summary[k] for k in ("tau", "steps", "histogram")}
+    return {k: summary[k] for k in ("tau", "steps", "histogram", "accept_at")}
 
 
 def plain_greedy(target, ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflash_sglang.drafter import DFlashDrafter, DraftConfig
 from dflash_sglang.training import features as feature_cache
 from dflash_sglang.training.blocks import Blocks, build_blocks, default_gamma, sample_anchors
-from dflash_sglang.training.model import DFlashDrafter, DraftConfig
 
 
 @dataclass
@@ -57,6 +57,15 @@ class Head:
         if vocab_ids is not None:
             self._lookup = torch.full((weight.shape[0],), -1, dtype=torch.long)
             self._lookup[vocab_ids] = torch.arange(len(vocab_ids))
+
+    def target_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits over this vocabulary, exact fp32 (argmax and KL targets)."""
+        with torch.autocast(self.weight.device.type, enabled=False):
+            return final_hidden.to(self.weight.device, torch.float32) @ self.weight.T
+
+    def target_choice(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token within this vocabulary (row index)."""
+        return self.target_logits(final_hidden).argmax(-1)
 
     def to_local(self, labels: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary labels -> row indices; ids outside the draft vocabulary -> -1."""
@@ -125,8 +134,7 @@ def block_loss(
     if distill > 0 or target_labels:
         # The target's distribution for the token at position p comes from position p - 1.
         positions = (blocks.position_ids[len(example.input_ids) :] - 1)[keep]
-        with torch.autocast(device.type, enabled=False):  # exact fp32 argmax and KL target
-            teacher = example.final_hidden[positions].to(device, torch.float32) @ head.weight.T
+        teacher = head.target_logits(example.final_hidden[positions])
     targets = teacher.argmax(-1) if target_labels else labels[keep].to(device)
     ce = F.cross_entropy(logits.float(), targets, reduction="none")
     loss = (ce * weights).sum() / (weights.sum() + 1e-6)
@@ -261,6 +269,8 @@ def draft_config_for(
     """A drafter shaped like the target's own layers (so they can initialise it)."""
     from sglang.srt.speculative.dflash_utils import build_target_layer_ids
 
+    from dflash_sglang.checkpoint import rope_theta_of
+
     n_target = int(target_config["num_hidden_layers"])
     hidden = int(target_config["hidden_size"])
     heads = int(target_config["num_attention_heads"])
@@ -277,7 +287,7 @@ def draft_config_for(
         target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(n_target, num_layers)),
         num_target_layers=n_target,
         rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(target_config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta_of(target_config),
         max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
     )
 
