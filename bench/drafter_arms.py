@@ -37,6 +37,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "early_init": ("zlab", ["--init-from-target", "1,2,3,4,5"]),
     "taps_top": ("top", [*LATE, "--target-layer-ids", "2,9,16,23,29"]),
     "block8": ("zlab", [*LATE, "--block-size", "8"]),
+    "gamma2": ("zlab", [*LATE, "--gamma", "2"]),  # loss on the first slots, which set τ here
 }
 SETS = ("mt_bench", "humaneval", "math")
 
@@ -82,12 +83,13 @@ def main() -> None:
     p.add_argument("--features", nargs="+", required=True, help="taps=DIR")
     p.add_argument("--heldout", nargs="+", required=True, help="taps=PREFIX (PREFIX_<set>)")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--parallel", type=int, default=2, help="arms at once (one thread each)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     a.features = dict(x.split("=", 1) for x in a.features)
     a.heldout = dict(x.split("=", 1) for x in a.heldout)
     names = a.arms.split(",")
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(a.parallel) as pool:
         futures = {n: pool.submit(run_arm, n, *ARMS[n], a) for n in names}
         results = {n: f.result() for n, f in futures.items()}
     setup = {"steps": a.steps, "common": COMMON, "samples": a.samples}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_sglang.acceptance import accepted_prefix_len
 from dflash_sglang.draft_vocab import draft_argmax
 from dflash_sglang.drafter import DFlashDrafter
 
@@ -97,8 +98,7 @@ class ReferenceDecoder:
             block[1:] = self._draft(block, context, start)
             logits, features = self._target(block, torch.arange(start, start + bs), cache)
             post = choose(logits, temperature, generator)
-            matches = (block[1:] == post[:-1]).long().cumprod(0)
-            acc = int(matches.sum())
+            acc = int(accepted_prefix_len((block[1:] == post[:-1])[None])[0])
             out += [*block[1 : acc + 1].tolist(), int(post[acc])]
             gen.acceptance_lengths.append(acc + 1)
             start += acc + 1

@@ -76,14 +76,17 @@ class SuffixIndex:
         return tuple((head * repeats)[: self.max_proposal])
 
 
-def _accepted_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Drafts accepted under greedy verification: the leading run where draft equals target."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _accepted_len(drafts: Sequence[int], target: Sequence[int]) -> int:
+    """Drafts greedy verification accepts (the rule of `acceptance.accepted_prefix_len`)."""
+    import torch
+
+    from dflash_sglang.acceptance import accepted_prefix_len
+
+    n = min(len(drafts), len(target))
+    if n == 0:
+        return 0
+    matches = torch.tensor([drafts[:n]]) == torch.tensor([target[:n]])
+    return int(accepted_prefix_len(matches)[0])
 
 
 def replay_tau(

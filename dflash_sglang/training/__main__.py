@@ -237,6 +237,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         num_anchors=a.num_anchors,
         lr=a.lr,
         distill=a.distill,
+        gamma=a.gamma,
         labels=a.labels,
         seed=a.seed,
         device=a.device,
@@ -445,6 +446,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--distill", type=float, default=0.0, help="KL weight in [0, 1]")
     t.add_argument(
+        "--gamma", type=float, help="loss decay exp(-(k-1)/γ) (default: 7 for block 16, 4 for 8)"
+    )
+    t.add_argument(
         "--labels",
         choices=["text", "target"],
         default="text",
@@ -517,12 +521,15 @@ def main(argv: list[str] | None = None) -> int:
         "num_layers",
         "block_size",
         "limit",
-        "epochs",
         "draft_vocab_size",
     ):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "epochs", None) is not None and args.epochs <= 0:
+        p.error(f"--epochs must be > 0, got {args.epochs}")
+    if getattr(args, "gamma", None) is not None and args.gamma <= 0:
+        p.error(f"--gamma must be > 0, got {args.gamma}")
     if getattr(args, "distill", 0.0) and not 0.0 <= args.distill <= 1.0:
         p.error(f"--distill must be in [0, 1], got {args.distill}")
     try:

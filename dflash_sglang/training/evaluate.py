@@ -13,6 +13,7 @@ from pathlib import Path
 
 import requests
 
+from dflash_sglang.acceptance import accepted_prefix_len
 from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.data import chat_ids, heldout_sets
@@ -124,7 +125,7 @@ def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list
     drafts = (local if ids is None else ids[local]).view(len(anchors), -1)[:, 1:]
     labels = b.labels.view(len(anchors), -1)[:, 1:]
     match = (drafts == labels) & (labels != IGNORE)
-    return (match.int().cumprod(-1).sum(-1) + 1).tolist()
+    return (accepted_prefix_len(match) + 1).tolist()
 
 
 def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -> list[int]:
