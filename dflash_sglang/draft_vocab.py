@@ -57,3 +57,26 @@ def load_ids(draft_dir: str | Path) -> torch.Tensor | None:
             if KEY in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 return f.get_tensor(KEY).long()
     raise ValueError(f"{draft_dir}: config sets draft_vocab_size but no {KEY} tensor exists")
+
+
+class InGraphHead:
+    """Greedy proposals over the draft vocabulary into a static buffer.
+
+    SGLang folds a draft head into the draft CUDA graph only for the full vocabulary; this
+    one has the same call shape (hidden states of whole blocks in, `out[: bs*(B-1)]` out),
+    so the restricted head is captured too instead of running eagerly after every replay.
+    """
+
+    def __init__(
+        self, head_rows: torch.Tensor, vocab_ids: torch.Tensor, block_size: int, max_bs: int
+    ) -> None:
+        self.head_rows, self.vocab_ids, self.block_size = head_rows, vocab_ids, block_size
+        self.out = torch.empty(
+            max_bs * (block_size - 1), dtype=torch.int64, device=head_rows.device
+        )
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
+        width = hidden_states.shape[-1]
+        blocks = hidden_states.view(-1, self.block_size, width)[:, 1:, :].reshape(-1, width)
+        proposals = select(blocks.to(self.head_rows.dtype), self.head_rows, self.vocab_ids)
+        self.out[: proposals.numel()].copy_(proposals)

@@ -17,13 +17,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_sglang import ALGORITHM
+from dflash_sglang import ALGORITHM, platform
 from dflash_sglang import options as spec_options
 
 logger = logging.getLogger("dflash_sglang.launch_server")
 
 NO_SPECULATION = "NONE"
-GPU_ATTENTION_BACKEND = "flashinfer"
 
 
 class LaunchError(SystemExit):
@@ -80,10 +79,11 @@ def without_flag(args: list[str], flag: str) -> list[str]:
     return out
 
 
-def detect_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def platform_of(device: str | None) -> platform.Platform:
+    try:
+        return platform.for_device(device)
+    except ValueError as e:
+        raise LaunchError(str(e)) from e
 
 
 def resolve_args(
@@ -112,13 +112,10 @@ def resolve_args(
         args.append("--enable-metrics")
     if not has_flag(args, "--host"):
         args += ["--host", "127.0.0.1"]
-    on_cpu = flag_value(args, "--device").startswith("cpu")
+    plat = platform_of(flag_value(args, "--device"))
     if not has_flag(args, "--attention-backend"):
-        from dflash_sglang.spec import CPU_ATTENTION_BACKEND
-
-        args += ["--attention-backend", CPU_ATTENTION_BACKEND if on_cpu else GPU_ATTENTION_BACKEND]
-    if on_cpu and not has_flag(args, "--sleep-on-idle"):
-        # An idle scheduler otherwise busy-polls a core that the busy one needs.
+        args += ["--attention-backend", plat.attention_backend]
+    if plat.sleep_on_idle and not has_flag(args, "--sleep-on-idle"):
         args.append("--sleep-on-idle")
     return args
 
@@ -166,8 +163,8 @@ def print_help() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ours, sglang_args = our_parser().parse_known_args(argv)
-    device = flag_value(sglang_args, "--device") or detect_device()
-    if device.startswith("cpu"):
+    device = flag_value(sglang_args, "--device") or platform.detect_device()
+    if platform_of(device) is platform.CPU:
         from dflash_sglang import cpu_platform
 
         os.environ.update(cpu_platform.child_environment(dict(os.environ)))

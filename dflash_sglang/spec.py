@@ -12,19 +12,13 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from dflash_sglang import platform
 from dflash_sglang.checkpoint import CheckpointError, check_pair
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 48
-CPU_ATTENTION_BACKEND = "dflash_cpu"
-GPU_DRAFT_ATTENTION_BACKEND = "flashinfer"
-SUPPORTED_DEVICES = ("cuda", "cpu")
-
-
-def is_cpu_device(server_args: Any) -> bool:
-    return str(server_args.device or "").startswith("cpu")
 
 
 def resolve_block_size(server_args: Any) -> int:
@@ -45,9 +39,7 @@ def resolve_block_size(server_args: Any) -> int:
 
 def validate_server_args(server_args: Any) -> None:
     """Reject configurations DFLASH_X does not serve, naming the flag at fault."""
-    device = str(server_args.device or "")
-    if not device.startswith(SUPPORTED_DEVICES):
-        raise ValueError(f"DFLASH_X supports --device cuda or cpu, got --device {device!r}")
+    plat = platform.for_device(server_args.device)  # raises, naming --device
     if server_args.speculative_draft_model_path is None:
         raise ValueError("DFLASH_X requires --speculative-draft-model-path")
     if int(server_args.pp_size or 1) != 1:
@@ -64,13 +56,12 @@ def validate_server_args(server_args: Any) -> None:
     ):
         if value is not None and int(value) < 2:
             raise ValueError(f"{flag} must be at least 2 (anchor + one draft), got {value}")
-    if is_cpu_device(server_args):
-        draft_backend = server_args.speculative_draft_attention_backend
-        if draft_backend not in (None, CPU_ATTENTION_BACKEND):
-            raise ValueError(
-                f"--speculative-draft-attention-backend {draft_backend} does not run on CPU; "
-                f"use {CPU_ATTENTION_BACKEND}"
-            )
+    draft_backend = server_args.speculative_draft_attention_backend
+    if plat is platform.CPU and draft_backend not in (None, plat.attention_backend):
+        raise ValueError(
+            f"--speculative-draft-attention-backend {draft_backend} does not run on CPU; "
+            f"use {plat.attention_backend}"
+        )
     try:
         check_pair(server_args.model_path, server_args.speculative_draft_model_path)
     except CheckpointError as e:
@@ -86,12 +77,10 @@ def resolve_server_args(server_args: Any) -> None:
         setattr(server_args, field, 1)
     server_args.speculative_num_draft_tokens = resolve_block_size(server_args)
 
+    plat = platform.for_device(server_args.device)
     if server_args.speculative_draft_attention_backend is None:
-        server_args.speculative_draft_attention_backend = (
-            CPU_ATTENTION_BACKEND if is_cpu_device(server_args) else GPU_DRAFT_ATTENTION_BACKEND
-        )
-    if is_cpu_device(server_args):
-        # SGLang's own CPU switch-off of overlap scheduling skips plugin algorithms.
+        server_args.speculative_draft_attention_backend = plat.attention_backend
+    if not plat.overlap_schedule:
         server_args.disable_overlap_schedule = True
     if server_args.max_running_requests is None:
         server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS

@@ -30,14 +30,10 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_exec, get_parallel
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import (
-    apply_dflash_verify_logits_adjustments,
-    compute_dflash_sampling_correct_drafts_and_bonus,
-    is_dflash_sampling_verify_available,
-)
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 from sglang.srt.speculative.dflash_worker_v2 import (
     DFlashWorkerV2,
     _resolve_dflash_embedding_module,
@@ -50,9 +46,8 @@ from sglang.srt.speculative.spec_utils import (
     build_grammar_vocab_mask,
     draft_tp_context,
 )
-from sglang.srt.utils import is_cpu
 
-from dflash_sglang import acceptance, draft_vocab, kv_injection
+from dflash_sglang import acceptance, draft_vocab, kv_injection, platform
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
 from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
@@ -104,10 +99,8 @@ class DFlashXWorker(DFlashWorkerV2):
             )
         if self._need_mamba_verify_commit:
             raise ValueError("DFLASH_X does not support hybrid (Mamba/linear-attention) targets")
-        if is_cpu():
-            from dflash_sglang.cpu_platform.triton_fallbacks import use_torch_paths
-
-            use_torch_paths(self.draft_model)
+        self.platform = platform.of_process()
+        self.platform.prepare_draft_model(self.draft_model)
         _keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
         self.options = SpecOptions.from_env(os.environ)
@@ -119,8 +112,9 @@ class DFlashXWorker(DFlashWorkerV2):
             explore_every=self.options.explore_every,
             prefer_suffix=self.options.suffix_always,
         )
-        # Per-request suffix indexes die with their request objects.
+        # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._last_step: tuple[StepPlan, int, float] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
@@ -154,8 +148,8 @@ class DFlashXWorker(DFlashWorkerV2):
                 batch, on_publish, grammar_barrier, pp_proxy_tensors
             )
             self._last_step = None  # a prefill's time is not a decode step's
-            if self.metrics is not None and batch.prefix_lens:
-                self.metrics.observe_prefill(sum(batch.prefix_lens))
+            if self.metrics is not None:
+                self.metrics.observe_prefill(radix_hit_tokens(batch.reqs, self._radix_counted))
         else:
             result = self.decode_step(batch, on_publish, grammar_barrier)
         if self.metrics is not None:
@@ -165,6 +159,7 @@ class DFlashXWorker(DFlashWorkerV2):
 
     def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
         draft_input: DFlashDraftInputV2 = batch.spec_info
+        self.platform.adopt_tensor(batch.seq_lens)  # carried over from the last iteration
         bs = len(batch.seq_lens)
         prefix_lens = batch.seq_lens
         host_lens = self._host_prefix_lens(batch, draft_input)
@@ -187,7 +182,7 @@ class DFlashXWorker(DFlashWorkerV2):
         # is built first so grammar work overlaps the verify forward.
         positions, cache_loc, kv_loc_plan = self._block_slots(batch, prefix_lens, host_lens, width)
         grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
-        logits_output, can_run_cuda_graph = self.verify(
+        logits_output, target_predict, can_run_cuda_graph = self.verify(
             batch, candidates, positions, cache_loc, kv_loc_plan, host_lens + width
         )
         if grammar_tree is not None:
@@ -200,7 +195,9 @@ class DFlashXWorker(DFlashWorkerV2):
             ).apply(logits_output.next_token_logits)
 
         # --- 3) Accept the longest matching prefix plus the target's bonus token.
-        accepted = self.accept(candidates, logits_output.next_token_logits, batch, draft_input)
+        accepted = self.accept(
+            candidates, logits_output.next_token_logits, batch, draft_input, target_predict
+        )
         t2 = time.perf_counter()
         if batch.return_logprob:
             compute_spec_logprobs(
@@ -368,7 +365,12 @@ class DFlashXWorker(DFlashWorkerV2):
         return torch.cat([block_ids[:, :1], proposals.to(torch.int64)], dim=1)
 
     def _maybe_build_draft_sampler(self):
-        return None if self._draft_vocab is not None else super()._maybe_build_draft_sampler()
+        """Upstream folds the full-vocabulary head into the draft graph; ours the restricted."""
+        if self._draft_vocab is None:
+            return super()._maybe_build_draft_sampler()
+        head, ids = self._restricted_head(self.target_worker.model_runner.model)
+        max_bs = max(get_exec().graph.cuda_graph_config.decode.bs)
+        return draft_vocab.InGraphHead(head, ids, int(self.block_size), max_bs)
 
     def _restricted_head(self, target_model) -> tuple[torch.Tensor, torch.Tensor]:
         """(lm_head rows of the draft vocabulary, their ids), built once on first use."""
@@ -381,6 +383,8 @@ class DFlashXWorker(DFlashWorkerV2):
     def verify(self, batch, candidates, positions, cache_loc, kv_loc_plan, host_seq_lens):
         """Target forward over the chain, capturing the hidden states KV injection needs.
 
+        Returns the logits output, the target's argmax per row when it was taken without
+        the full logits (else None), and whether the forward ran in a CUDA graph.
         `prepare_for_verify` rewrites the batch it is given, so it gets a shallow copy: the
         caller's batch keeps its draft input, lengths and mode.
         """
@@ -400,30 +404,48 @@ class DFlashXWorker(DFlashWorkerV2):
         out = self.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        logits_output = out.logits_output
-        lp = self._target_logits_processor
-        if lp is not None and lp.is_deferred_shard(logits_output.next_token_logits):
-            logits_output.next_token_logits = lp.finish_deferred_gather(
-                logits_output.next_token_logits
-            )
+        target_predict = self._finish_verify_logits(batch, out.logits_output, width)
+        return out.logits_output, target_predict, out.can_run_cuda_graph
+
+    def _finish_verify_logits(self, batch, logits_output, width: int) -> torch.Tensor | None:
+        """Under TP the verify logits stay vocabulary shards until needed. A greedy batch
+        that needs nothing else from them gathers only each rank's row maxima (upstream's
+        rule and kernel); otherwise the full logits are gathered and adjusted (penalties,
+        bias) for acceptance. Returns the argmax in the first case, None in the second."""
+        lp, logits = self._target_logits_processor, logits_output.next_token_logits
+        if lp is not None and lp.is_deferred_shard(logits):
+            if self._can_skip_verify_logits(batch, batch.sampling_info):
+                logits_output.next_token_logits = None
+                return lp.deferred_argmax(logits)
+            logits_output.next_token_logits = lp.finish_deferred_gather(logits)
         if batch.sampling_info is not None:
             apply_dflash_verify_logits_adjustments(
                 next_token_logits=logits_output.next_token_logits,
                 sampling_info=batch.sampling_info,
                 draft_token_num=width,
             )
-        return logits_output, out.can_run_cuda_graph
+        return None
 
-    def accept(self, candidates, logits, batch, draft_input) -> acceptance.Acceptance:
-        """Greedy prefix match, or exact speculative sampling when any request samples."""
+    def accept(
+        self, candidates, logits, batch, draft_input, target_predict=None
+    ) -> acceptance.Acceptance:
+        """Greedy prefix match, or exact speculative sampling when any request samples.
+
+        The top-k settings of a fused sampling kernel come from `draft_input`, the step's
+        draft input: after `prepare_for_verify`, `batch.spec_info` is the verify input.
+        Min-p batches take the exact torch path: the fused kernel knows no min-p.
+        """
         bs, width = candidates.shape
         info = batch.sampling_info
         if info is None or info.is_all_greedy:
-            predict = torch.argmax(logits, dim=-1).view(bs, width)
+            if target_predict is None:
+                target_predict = torch.argmax(logits, dim=-1)
+            predict = target_predict.view(bs, width)
             self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, predict)
             return acceptance.greedy_accept(candidates, predict)
-        if is_dflash_sampling_verify_available():
-            accept_lens, bonus = compute_dflash_sampling_correct_drafts_and_bonus(
+        fused = self.platform.sampling_verify
+        if fused is not None and not info.need_min_p_sampling:
+            accept_lens, bonus = fused(
                 candidates=candidates,
                 next_token_logits=logits,
                 sampling_info=info,
@@ -518,3 +540,18 @@ class DFlashXWorker(DFlashWorkerV2):
         if draft_input.nxt_kv_lens_cpu is not None:
             return draft_input.nxt_kv_lens_cpu
         return batch.seq_lens.cpu()
+
+
+def radix_hit_tokens(reqs, counted: weakref.WeakKeyDictionary) -> int:
+    """Prompt tokens served from the radix cache (their draft KV included) since last asked.
+
+    SGLang's `req.cached_tokens` grows only by radix hits: not by earlier chunks of a chunked
+    prefill, and not for the running requests a mixed batch carries (`prefix_lens` counts
+    both). `counted` remembers what each live request has already reported.
+    """
+    hits = 0
+    for req in reqs:
+        cached = int(req.cached_tokens)
+        hits += cached - counted.get(req, 0)
+        counted[req] = cached
+    return hits

@@ -12,6 +12,7 @@ from tests.server import PURE_DFLASH, Server
 pytestmark = pytest.mark.server
 BLOCK = 4
 MAX_NEW = 1 + 5 * BLOCK  # first token from prefill, then five full blocks
+CHUNK = 64  # chunked prefill: a long prompt's later chunks have a prefix that is no radix hit
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple], float]:
@@ -39,6 +40,8 @@ def echo_server(echo_models, tmp_path_factory):
             "float32",
             "--max-total-tokens",
             "4096",
+            "--chunked-prefill-size",
+            str(CHUNK),
             "--speculative-draft-model-path",
             str(echo_models["draft"]),
             *PURE_DFLASH,
@@ -92,6 +95,18 @@ def test_radix_reuse_and_draft_kv_rows(echo_server):
         delta(after, before, "dflash_radix_reused_draft_kv_tokens_total") == meta["cached_tokens"]
     )
     assert after[("dflash_draft_kv_rows", ())] > 0
+
+
+def test_radix_reuse_counts_no_chunked_prefill_prefix(echo_server):
+    """Later chunks of a long prompt extend a prefix the cache did not provide."""
+    prompt = " ".join(SHORT[10:16]) * 3
+    before = scrape(echo_server)
+    meta = echo_server.generate(prompt, max_new_tokens=4, ignore_eos=True)["meta_info"]
+    after = scrape(echo_server)
+    assert meta["prompt_tokens"] > 2 * CHUNK and meta["cached_tokens"] < CHUNK
+    assert (
+        delta(after, before, "dflash_radix_reused_draft_kv_tokens_total") == meta["cached_tokens"]
+    )
 
 
 def test_stats_endpoint_agrees_with_known_acceptance(echo_server):

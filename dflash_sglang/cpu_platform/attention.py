@@ -21,12 +21,14 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
+from dflash_sglang.platform import CPU_ATTENTION_BACKEND
+
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-BACKEND_NAME = "dflash_cpu"
+BACKEND_NAME = CPU_ATTENTION_BACKEND
 
 
 @dataclass(frozen=True)

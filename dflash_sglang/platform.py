@@ -1,0 +1,103 @@
+"""Platform decisions in one place: what DFLASH_X does differently on CPU and on CUDA.
+
+The launcher, the server-argument resolution and the worker ask a `Platform` instead of
+testing device strings. A platform is plain data plus callables, so a CPU test can build
+the CUDA one with torch stand-ins for its kernels and drive the worker's CUDA branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CPU_ATTENTION_BACKEND = "dflash_cpu"  # registered by `cpu_platform.attention`
+GPU_ATTENTION_BACKEND = "flashinfer"
+
+
+def _no_op(*_args, **_kwargs) -> None:
+    return None
+
+
+def _record_on_current_stream(tensor: torch.Tensor) -> None:
+    # Under overlap scheduling `seq_lens` comes from the previous iteration, possibly made
+    # on another stream: without this its memory may be reused while we still read it.
+    tensor.record_stream(torch.get_device_module(tensor.device).current_stream())
+
+
+def _cpu_draft_model(draft_model: torch.nn.Module) -> None:
+    from dflash_sglang.cpu_platform.triton_fallbacks import use_torch_paths
+
+    use_torch_paths(draft_model)
+
+
+def _upstream_sampling_verify() -> Callable | None:
+    """SGLang's fused sampling verify, where this build has it (CUDA with sgl-kernel)."""
+    from sglang.srt.speculative.dflash_utils import (
+        compute_dflash_sampling_correct_drafts_and_bonus,
+        is_dflash_sampling_verify_available,
+    )
+
+    if not is_dflash_sampling_verify_available():
+        return None
+    return compute_dflash_sampling_correct_drafts_and_bonus
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # "cpu" or "cuda"
+    attention_backend: str  # target and draft attention
+    overlap_schedule: bool  # SGLang's CPU switch-off of overlap skips plugin algorithms
+    sleep_on_idle: bool  # an idle scheduler otherwise busy-polls a core the busy one needs
+    # Called once on the draft model at worker start (CPU: torch paths for Triton kernels).
+    prepare_draft_model: Callable[[torch.nn.Module], None] = _no_op
+    # Called on tensors carried over from the previous overlap iteration.
+    adopt_tensor: Callable[[torch.Tensor], None] = _no_op
+    # A fused sampling verify with upstream's signature, or None for the exact torch path.
+    # It applies temperature, top-k and top-p only: min-p batches take the torch path.
+    sampling_verify: Callable | None = None
+
+    def with_(self, **changes) -> Platform:
+        return dataclasses.replace(self, **changes)
+
+
+CPU = Platform(
+    name="cpu",
+    attention_backend=CPU_ATTENTION_BACKEND,
+    overlap_schedule=False,
+    sleep_on_idle=True,
+    prepare_draft_model=_cpu_draft_model,
+)
+CUDA = Platform(
+    name="cuda",
+    attention_backend=GPU_ATTENTION_BACKEND,
+    overlap_schedule=True,
+    sleep_on_idle=False,
+    adopt_tensor=_record_on_current_stream,
+)
+
+
+def for_device(device: str | None) -> Platform:
+    """The platform of a `--device` value (`cuda`, `cuda:1`, `cpu`)."""
+    device = str(device or "")
+    if device.startswith("cpu"):
+        return CPU
+    if device.startswith("cuda"):
+        return CUDA
+    raise ValueError(f"DFLASH_X supports --device cuda or cpu, got --device {device!r}")
+
+
+def detect_device() -> str:
+    """The launcher's default `--device`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def of_process() -> Platform:
+    """This scheduler process's platform, with the kernels its build really has."""
+    from sglang.srt.utils import is_cpu
+
+    if is_cpu():
+        return CPU
+    return CUDA.with_(sampling_verify=_upstream_sampling_verify())
