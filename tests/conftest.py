@@ -87,3 +87,28 @@ def live_ar(half_models, tmp_path_factory):
     """The same target without speculation: the baseline beside `live_dflash`."""
     no_spec = ["--speculative-algorithm", "NONE"]
     yield from _half_server(half_models, tmp_path_factory, "live_ar", no_spec)
+
+
+@pytest.fixture(scope="session")
+def interpret():
+    """Call a test module's function with Triton interpreting kernels on CPU.
+
+    TRITON_INTERPRET is read when `triton.language` is imported (its own reductions are
+    `@triton.jit` functions), and conftest's SGLang import loaded Triton long before, so
+    calls go to one fresh spawned process that imports everything with the variable set.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.sum, InterpretedFunction):  # this process was started interpreting
+        yield lambda fn, *args: fn(*args)
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        worker.submit(int).result()  # spawn it now, while the variable is set
+    with worker:
+        yield lambda fn, *args: worker.submit(fn, *args).result()
