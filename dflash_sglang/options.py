@@ -26,6 +26,7 @@ class SpecOptions:
     suffix_max_match: int = 4
     suffix_max_proposal: int | None = None  # None: block size - 1
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
+    kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
         """Verify widths the controller may pick; fixed width = the block alone."""
@@ -56,6 +57,7 @@ class SpecOptions:
             ENV_PREFIX + "SUFFIX_MAX_MATCH": str(self.suffix_max_match),
             ENV_PREFIX + "SUFFIX_MAX_PROPOSAL": str(self.suffix_max_proposal or ""),
             ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
+            ENV_PREFIX + "KERNELS": self.kernels,
         }
 
     @classmethod
@@ -72,6 +74,7 @@ class SpecOptions:
             suffix_max_match=int(get("SUFFIX_MAX_MATCH") or default.suffix_max_match),
             suffix_max_proposal=int(get("SUFFIX_MAX_PROPOSAL") or 0) or None,
             explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
+            kernels=get("KERNELS") or default.kernels,
         )
 
 
@@ -158,6 +161,13 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         help="every N steps the adaptive planner tries a neighbouring width, so its cost "
         "model and acceptance estimates stay current (default 50; 0: never)",
     )
+    group.add_argument(
+        "--dflash-kernels",
+        choices=("ours", "upstream"),
+        default="ours",
+        help="on GPU: our Triton KV injection and acceptance kernels (dflash_sglang.kernels), "
+        "or upstream SGLang's (default ours; CPU always runs torch paths)",
+    )
 
 
 def from_cli(ns: argparse.Namespace) -> SpecOptions:
@@ -169,4 +179,5 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         suffix_max_match=ns.dflash_suffix_max_match,
         suffix_max_proposal=ns.dflash_suffix_max_proposal,
         explore_every=ns.dflash_explore_every,
+        kernels=ns.dflash_kernels,
     )

@@ -58,6 +58,8 @@ class Platform:
     # A fused sampling verify with upstream's signature, or None for the exact torch path.
     # It applies temperature, top-k and top-p only: min-p batches take the torch path.
     sampling_verify: Callable | None = None
+    # Compiled Triton is available: `dflash_sglang.kernels` may replace upstream's kernels.
+    triton_kernels: bool = False
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -76,6 +78,7 @@ CUDA = Platform(
     overlap_schedule=True,
     sleep_on_idle=False,
     adopt_tensor=_record_on_current_stream,
+    triton_kernels=True,
 )
 
 

@@ -116,6 +116,8 @@ class DFlashXWorker(DFlashWorkerV2):
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
+        self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
+        self._stacked_kv = self._fused_injection() if self._ours else None
         self._last_step: tuple[StepPlan, int, float] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self.metrics: PrometheusMetrics | None = None
@@ -364,6 +366,19 @@ class DFlashXWorker(DFlashWorkerV2):
                 ).view(bs, width - 1)
         return torch.cat([block_ids[:, :1], proposals.to(torch.int64)], dim=1)
 
+    def _fused_injection(self):
+        """Our one-launch KV injection's stacked weights, where it computes what the torch
+        path does for this draft and pool (else upstream's fused path or torch)."""
+        from dflash_sglang.kernels import kv_inject
+
+        fits, reason = kv_inject.can_fuse(
+            self.draft_model, self.draft_model_runner.token_to_kv_pool
+        )
+        if not fits:
+            logger.info("DFLASH_X KV injection kernel off (%s): upstream's path", reason)
+            return None
+        return kv_inject.stack_kv_weights(self.draft_model)
+
     def _maybe_build_draft_sampler(self):
         """Upstream folds the full-vocabulary head into the draft graph; ours the restricted."""
         if self._draft_vocab is None:
@@ -437,6 +452,8 @@ class DFlashXWorker(DFlashWorkerV2):
         """
         bs, width = candidates.shape
         info = batch.sampling_info
+        if self._ours and (target_predict is None or not (info is None or info.is_all_greedy)):
+            return self._accept_triton(candidates, logits, info)
         if info is None or info.is_all_greedy:
             if target_predict is None:
                 target_predict = torch.argmax(logits, dim=-1)
@@ -458,6 +475,36 @@ class DFlashXWorker(DFlashWorkerV2):
         self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, accept_lens)
         self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, bonus)
         return acceptance.commit(candidates, accept_lens, bonus)
+
+    def _accept_triton(self, candidates, logits, info) -> acceptance.Acceptance:
+        """`dflash_sglang.kernels.accept`: greedy argmax, prefix match and bonus in one
+        kernel, or exact sampling (min-p included) from the logits. Rank 0's result is
+        broadcast under TP, and the emitted tokens rebuilt from it."""
+        from dflash_sglang.kernels import accept
+
+        bs, width = candidates.shape
+        if info is None or info.is_all_greedy:
+            site, accepted = (
+                SpecTpSyncSite.DFLASH_ACCEPT_GREEDY,
+                accept.greedy_accept(logits, candidates),
+            )
+        else:
+            site = SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
+            coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
+            draws = torch.rand(bs, device=logits.device, generator=self._generator)
+            accepted = accept.sampled_accept(
+                logits,
+                candidates,
+                info.temperatures.view(-1),
+                info.top_ks.view(-1),
+                info.top_ps.view(-1),
+                info.min_ps.view(-1) if info.need_min_p_sampling else None,
+                coins=coins,
+                draws=draws,
+            )
+        self._tp_sync.sync(site, accepted.accept_lens)
+        self._tp_sync.sync(site, accepted.bonus)
+        return acceptance.commit(candidates, accepted.accept_lens, accepted.bonus)
 
     def _sample_accept_torch(self, candidates, logits, info, width) -> acceptance.Acceptance:
         bs = candidates.shape[0]
@@ -500,7 +547,21 @@ class DFlashXWorker(DFlashWorkerV2):
         commit_lens: torch.Tensor | None = None,
         extend_lens: torch.Tensor | None = None,
     ) -> None:
-        """KV injection seam; GPUs keep upstream's fused kernel, elsewhere `kv_injection`."""
+        """KV injection seam: our one-launch kernel, else upstream's fused path (GPU), else
+        `kv_injection` (CPU)."""
+        if self._stacked_kv is not None:
+            from dflash_sglang.kernels import kv_inject
+
+            with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+                return kv_inject.inject_committed(
+                    self.draft_model,
+                    self._stacked_kv,
+                    self.draft_model_runner.token_to_kv_pool,
+                    target_hidden[: cache_loc.numel()],
+                    positions,
+                    cache_loc.to(torch.int64),
+                    commit_lens,
+                )
         if self._use_fused_kv_materialize and self._fused_kv_helper is not None:
             return super()._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=target_hidden,

@@ -20,9 +20,11 @@ class KernelCalled(Exception):
     pass
 
 
-def bare_worker(**platform_changes) -> DFlashXWorker:
+def bare_worker(ours: bool = False, **platform_changes) -> DFlashXWorker:
+    """Upstream's kernels unless `ours` (then `dflash_sglang.kernels`, interpreted on CPU)."""
     worker = object.__new__(DFlashXWorker)
     worker.platform = platform.CUDA.with_(**platform_changes)
+    worker._ours = ours
     worker._tp_sync = SimpleNamespace(sync=lambda *args: None)
     worker._generator = torch.Generator().manual_seed(0)
     worker._selector_sample = None
@@ -181,3 +183,25 @@ def test_greedy_accept_path_unchanged_without_predict():
     got = worker.accept(candidates, logits, batch, None)
     want = acceptance.greedy_accept(candidates, logits.argmax(-1).view(BS, WIDTH))
     assert torch.equal(got.out_tokens, want.out_tokens)
+
+
+def check_our_kernels_decide_acceptance() -> None:
+    worker = bare_worker(ours=True)
+    torch.manual_seed(1)
+    logits = torch.randn(BS * WIDTH, VOCAB)
+    candidates = torch.randint(0, VOCAB, (BS, WIDTH))
+    candidates[:, 1:] = logits.argmax(-1).view(BS, WIDTH)[:, :-1]  # all accepted...
+    candidates[0, 2] = (candidates[0, 2] + 1) % VOCAB  # ...but one draft of request 0
+    greedy = worker.accept(candidates, logits, SimpleNamespace(sampling_info=None), None)
+    want = acceptance.greedy_accept(candidates, logits.argmax(-1).view(BS, WIDTH))
+    assert torch.equal(greedy.out_tokens, want.out_tokens)
+    assert greedy.accept_lens.tolist() == [1, WIDTH - 1, WIDTH - 1]
+    # min-p 0.5 leaves token 3 alone: drafts of token 1 are rejected, every bonus is 3.
+    batch = SimpleNamespace(sampling_info=sampling_info(min_p=0.5))
+    ones = torch.ones(BS, WIDTH, dtype=torch.int64)
+    sampled = worker.accept(ones, peaked_logits(), batch, None)
+    assert sampled.accept_lens.tolist() == [0] * BS and sampled.bonus.tolist() == [3] * BS
+
+
+def test_our_kernels_decide_acceptance(interpret):
+    interpret(check_our_kernels_decide_acceptance)
