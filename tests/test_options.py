@@ -42,6 +42,12 @@ def test_flags_round_trip_through_the_environment():
     assert SpecOptions.from_env({}) == SpecOptions()
 
 
+def test_upstream_kernels_survive_the_environment():
+    opts = _parse("--dflash-kernels", "upstream")
+    assert opts.kernels == "upstream" and SpecOptions.from_env(opts.to_env()) == opts
+    assert SpecOptions().kernels == "ours"
+
+
 def test_suffix_always_implies_on_and_survives_the_environment():
     opts = _parse("--dflash-suffix", "always")
     assert opts.suffix and opts.suffix_always
@@ -59,6 +65,7 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-widths", "a"], "--dflash-widths takes comma-separated integers"),
         (["--dflash-suffix-max-proposal", "-1"], "--dflash-suffix-max-proposal must be >= 1"),
         (["--dflash-explore-every", "-1"], "--dflash-explore-every must be >= 0"),
+        (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message, capsys):
