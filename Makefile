@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve test lint bench clean
+.PHONY: setup system-deps serve test lint bench clean gpu-setup gpu-check
 
 setup: $(STAMP)
 
@@ -38,6 +38,30 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)
+
+# GPU machine: `setup`, then SGLang's CUDA dependency set, which requirements/cpu.lock leaves
+# out (sglang-kernel, flashinfer-python[cu13], flash-attn-4, cuda-python, ...): pip resolves it
+# from sglang's own metadata through our pyproject.
+gpu-setup: setup
+	$(BIN)/pip install -q -e .
+
+# First run on a GPU: fail fast without CUDA, then run every step even when an earlier one
+# fails, print a PASS/FAIL line per step, and fail if any step did.
+gpu-check: gpu-setup system-deps
+	@$(BIN)/python -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
+	  'gpu-check: torch.cuda.is_available() is False (torch ' + torch.__version__ + \
+	  ', CUDA ' + str(torch.version.cuda) + '): needs a CUDA device, its driver, a CUDA torch')"
+	@status=0; summary=""; \
+	step() { name="$$1"; shift; echo "== gpu-check: $$name"; \
+	  if "$$@"; then summary="$$summary  PASS  $$name\n"; \
+	  else summary="$$summary  FAIL  $$name\n"; status=1; fi; }; \
+	step "kernel tests, compiled on CUDA" env DFLASH_KERNEL_DEVICE=cuda \
+	  $(BIN)/python -m pytest -q -rs tests/test_kernels_accept.py tests/test_kernels_kv_inject.py; \
+	step "GPU smoke test" $(BIN)/python -m pytest -q -rs tests/test_gpu_smoke.py; \
+	step "whole suite" $(BIN)/python -m pytest -q -rs; \
+	step "kernel bench" $(BIN)/python bench/bench_kernels_gpu.py \
+	  --out artifacts/bench_kernels_gpu.json; \
+	printf "gpu-check summary:\n$$summary"; exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

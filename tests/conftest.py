@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # on a GPU the suite runs SGLang's CUDA engine
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from dflash_sglang.cpu_platform import install_sgl_kernel_shim  # noqa: E402
 
@@ -100,10 +101,7 @@ def interpret():
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(tl.sum, InterpretedFunction):  # this process was started interpreting
+    if _interpreting():  # this process was started interpreting
         yield lambda fn, *args: fn(*args)
         return
     with pytest.MonkeyPatch.context() as mp:
@@ -112,3 +110,32 @@ def interpret():
         worker.submit(int).result()  # spawn it now, while the variable is set
     with worker:
         yield lambda fn, *args: worker.submit(fn, *args).result()
+
+
+@pytest.fixture(scope="session")
+def kernel_runner(request):
+    """Call a kernel test's `check_*(device, *args)` where DFLASH_KERNEL_DEVICE says.
+
+    `cpu` (the default): Triton interprets the kernels, in the `interpret` process.
+    `cuda`: compiled kernels on the GPU, in this process; skipped without a CUDA device.
+    The variable is read here only: the bodies build their tensors on the device they get.
+    """
+    device = os.environ.get("DFLASH_KERNEL_DEVICE", "cpu")
+    if device == "cpu":
+        run = request.getfixturevalue("interpret")
+        yield lambda fn, *args: run(fn, torch.device("cpu"), *args)
+        return
+    if device != "cuda":
+        raise pytest.UsageError(f"DFLASH_KERNEL_DEVICE must be cpu or cuda, got {device!r}")
+    if not torch.cuda.is_available():
+        pytest.skip("DFLASH_KERNEL_DEVICE=cuda but torch sees no CUDA device")
+    if _interpreting():
+        raise pytest.UsageError("DFLASH_KERNEL_DEVICE=cuda compiles kernels: drop TRITON_INTERPRET")
+    yield lambda fn, *args: fn(torch.device("cuda"), *args)
+
+
+def _interpreting() -> bool:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)

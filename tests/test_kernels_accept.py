@@ -1,7 +1,9 @@
 """`kernels.accept` against `acceptance`'s torch rules: exact equality, ties, distribution.
 
-The `check_*` bodies run in a process where Triton interprets kernels on CPU (the
-`interpret` fixture says why that is a separate process); test functions only pick cases.
+Test functions only pick cases. The `check_*` bodies take the device first and run where
+the `kernel_runner` fixture sends them: interpreted on CPU in a separate process (the
+`interpret` fixture says why), or compiled on CUDA with DFLASH_KERNEL_DEVICE=cuda. Cases are
+drawn on CPU from seeded generators, then moved, so both modes see the same inputs.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def chain_candidates(
 # ----------------------------------------------------------------------------- greedy
 
 
-def check_greedy(bs: int, block: int, vocab: int, dtype_name: str, ties: bool, seed: int):
+def check_greedy(
+    device: torch.device, bs: int, block: int, vocab: int, dtype_name: str, ties: bool, seed: int
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(bs * block, vocab, generator=gen)
     if ties:  # a few levels only: many rows have their maximum at several ids
@@ -55,10 +59,11 @@ def check_greedy(bs: int, block: int, vocab: int, dtype_name: str, ties: bool, s
     logits = logits.to(getattr(torch, dtype_name))
     predict = logits.argmax(dim=-1).view(bs, block)
     lens = torch.randint(0, block, (bs,), generator=gen)
-    candidates = chain_candidates(predict, lens, vocab, gen)
+    candidates = chain_candidates(predict, lens, vocab, gen).to(device)
+    logits = logits.to(device)
     got = accept.greedy_accept(logits, candidates)
     assert_same(got, accept.greedy_accept_reference(logits, candidates))
-    assert torch.equal(got.accept_lens, lens.int()), (got.accept_lens, lens)
+    assert torch.equal(got.accept_lens.cpu(), lens.int()), (got.accept_lens, lens)
 
 
 @pytest.mark.parametrize(
@@ -72,53 +77,55 @@ def check_greedy(bs: int, block: int, vocab: int, dtype_name: str, ties: bool, s
         (2, 16, 9000, "float32", True, 5),  # several vocabulary chunks
     ],
 )
-def test_greedy_matches_torch(interpret, bs, block, vocab, dtype, ties, seed):
-    interpret(check_greedy, bs, block, vocab, dtype, ties, seed)
+def test_greedy_matches_torch(kernel_runner, bs, block, vocab, dtype, ties, seed):
+    kernel_runner(check_greedy, bs, block, vocab, dtype, ties, seed)
 
 
-def check_greedy_every_accept_length(block: int) -> None:
+def check_greedy_every_accept_length(device: torch.device, block: int) -> None:
     gen = torch.Generator().manual_seed(block)
     logits = torch.randn(block * block, 300, generator=gen)
     lens = torch.arange(block)
     candidates = chain_candidates(logits.argmax(-1).view(block, block), lens, 300, gen)
+    logits, candidates = logits.to(device), candidates.to(device)
     got = accept.greedy_accept(logits, candidates)
-    assert torch.equal(got.accept_lens, lens.int()), got.accept_lens
+    assert torch.equal(got.accept_lens.cpu(), lens.int()), got.accept_lens
     assert_same(got, accept.greedy_accept_reference(logits, candidates))
 
 
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
-def test_greedy_every_accept_length(interpret, block):
-    interpret(check_greedy_every_accept_length, block)
+def test_greedy_every_accept_length(kernel_runner, block):
+    kernel_runner(check_greedy_every_accept_length, block)
 
 
-def check_greedy_argmax_rule() -> None:
+def check_greedy_argmax_rule(device: torch.device) -> None:
     """First maximal id wins, across vocabulary chunks too; NaN counts as the maximum."""
     vocab = 9000
-    logits = torch.zeros(4, vocab)
+    logits = torch.zeros(4, vocab, device=device)
     logits[0, [5000, 6000, 8999]] = 7.0  # tie across chunks: the first
     logits[1, [3, 4100]] = float("inf")
     logits[2, :] = float("-inf")  # all -inf: id 0, as torch
     logits[3, [10, 8000]] = 9.0
     logits[3, 4500] = float("nan")
-    candidates = torch.tensor([[0, 5000, 3, 0]])
+    candidates = torch.tensor([[0, 5000, 3, 0]], device=device)
     got = accept.greedy_accept(logits, candidates)
-    assert torch.equal(got.out_tokens, torch.tensor([[5000, 3, 0, 4500]])), got.out_tokens
+    want = torch.tensor([[5000, 3, 0, 4500]])
+    assert torch.equal(got.out_tokens.cpu(), want), got.out_tokens
     assert_same(got, accept.greedy_accept_reference(logits, candidates))
 
 
-def test_greedy_argmax_rule(interpret):
-    interpret(check_greedy_argmax_rule)
+def test_greedy_argmax_rule(kernel_runner):
+    kernel_runner(check_greedy_argmax_rule)
 
 
-def check_greedy_writes_caller_buffers() -> None:
+def check_greedy_writes_caller_buffers(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(9)
-    logits = torch.randn(3 * 4, 100, generator=gen)
-    candidates = torch.randint(0, 100, (3, 4), generator=gen)
+    logits = torch.randn(3 * 4, 100, generator=gen).to(device)
+    candidates = torch.randint(0, 100, (3, 4), generator=gen).to(device)
     out = Acceptance(
-        accept_lens=torch.full((3,), -1, dtype=torch.int32),
-        bonus=torch.full((3,), -1, dtype=torch.int64),
-        commit_lens=torch.full((3,), -1, dtype=torch.int32),
-        out_tokens=torch.full((3, 4), -1, dtype=torch.int64),
+        accept_lens=torch.full((3,), -1, dtype=torch.int32, device=device),
+        bonus=torch.full((3,), -1, dtype=torch.int64, device=device),
+        commit_lens=torch.full((3,), -1, dtype=torch.int32, device=device),
+        out_tokens=torch.full((3, 4), -1, dtype=torch.int64, device=device),
     )
     assert accept.greedy_accept(logits, candidates, out) is out
     assert_same(out, accept.greedy_accept_reference(logits, candidates))
@@ -126,14 +133,14 @@ def check_greedy_writes_caller_buffers() -> None:
         accept.greedy_accept(logits, candidates, replace(out, bonus=out.accept_lens))
 
 
-def test_greedy_writes_caller_buffers(interpret):
-    interpret(check_greedy_writes_caller_buffers)
+def test_greedy_writes_caller_buffers(kernel_runner):
+    kernel_runner(check_greedy_writes_caller_buffers)
 
 
 # --------------------------------------------------------------------------- sampling
 
 
-def sampling_case(bs: int, block: int, vocab: int, min_p: bool, seed: int):
+def sampling_case(device: torch.device, bs: int, block: int, vocab: int, min_p: bool, seed: int):
     """Tie-free logits, drafts that are often the row's top token, mixed parameters."""
     gen = torch.Generator().manual_seed(seed)
     logits = distinct_logits(bs * block, vocab, scale=3.0, gen=gen)
@@ -147,12 +154,15 @@ def sampling_case(bs: int, block: int, vocab: int, min_p: bool, seed: int):
     candidates[:, 1:] = torch.where(likely, top[:, :-1], candidates[:, 1:])
     coins = torch.rand(bs, block - 1, generator=gen)
     draws = torch.rand(bs, generator=gen)
-    params = (temperatures, top_ks, top_ps, min_ps if min_p else None)
-    return logits, candidates, params, coins, draws
+    logits, candidates, coins, draws = (t.to(device) for t in (logits, candidates, coins, draws))
+    params = tuple(t.to(device) for t in (temperatures, top_ks, top_ps))
+    return logits, candidates, (*params, min_ps.to(device) if min_p else None), coins, draws
 
 
-def check_sampled(bs: int, block: int, vocab: int, min_p: bool, seed: int) -> None:
-    logits, candidates, params, coins, draws = sampling_case(bs, block, vocab, min_p, seed)
+def check_sampled(
+    device: torch.device, bs: int, block: int, vocab: int, min_p: bool, seed: int
+) -> None:
+    logits, candidates, params, coins, draws = sampling_case(device, bs, block, vocab, min_p, seed)
     got = accept.sampled_accept(logits, candidates, *params, coins, draws)
     assert_same(got, accept.sampled_accept_reference(logits, candidates, *params, coins, draws))
 
@@ -162,21 +172,21 @@ def check_sampled(bs: int, block: int, vocab: int, min_p: bool, seed: int) -> No
     "bs, block, vocab, seed",
     [(1, 1, 40, 0), (4, 2, 3000, 1), (8, 4, 200, 2), (3, 8, 1000, 3), (2, 16, 500, 4)],
 )
-def test_sampled_matches_torch(interpret, bs, block, vocab, min_p, seed):
-    interpret(check_sampled, bs, block, vocab, min_p, seed)
+def test_sampled_matches_torch(kernel_runner, bs, block, vocab, min_p, seed):
+    kernel_runner(check_sampled, bs, block, vocab, min_p, seed)
 
 
 def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, rows: accept.RowFilter):
     """The distribution a `RowFilter` describes, per row (temperatures per row)."""
     z = logits.float() / temperatures.view(-1, 1).clamp_min(1e-6)
     top, cut, kept_mass = rows.stats.unbind(dim=1)
-    ids = torch.arange(logits.shape[1])
+    ids = torch.arange(logits.shape[1], device=logits.device)
     kept = (z > cut[:, None]) | ((z == cut[:, None]) & (ids <= rows.last_ids[:, None]))
     return torch.where(kept, (z - top[:, None]).exp(), 0.0) / kept_mass[:, None]
 
 
-def check_filter_matches_sampling_probs(vocab: int, seed: int) -> None:
-    logits, candidates, params, _, _ = sampling_case(16, 2, vocab, True, seed)
+def check_filter_matches_sampling_probs(device: torch.device, vocab: int, seed: int) -> None:
+    logits, candidates, params, _, _ = sampling_case(device, 16, 2, vocab, True, seed)
     rows = accept.filter_rows(logits, 2, *params)
     per_row = [p.repeat_interleave(2) for p in params]
     want = acceptance.sampling_probs(logits, *per_row)
@@ -190,11 +200,11 @@ def check_filter_matches_sampling_probs(vocab: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("vocab, seed", [(30, 0), (1000, 1), (3000, 2)])
-def test_filter_matches_sampling_probs(interpret, vocab, seed):
-    interpret(check_filter_matches_sampling_probs, vocab, seed)
+def test_filter_matches_sampling_probs(kernel_runner, vocab, seed):
+    kernel_runner(check_filter_matches_sampling_probs, vocab, seed)
 
 
-def check_sampled_every_accept_length(block: int) -> None:
+def check_sampled_every_accept_length(device: torch.device, block: int) -> None:
     """Drafts are each row's top token; a zero coin accepts it, a coin near 1 rejects it."""
     gen = torch.Generator().manual_seed(block)
     vocab = 64
@@ -208,17 +218,19 @@ def check_sampled_every_accept_length(block: int) -> None:
     ones = torch.ones(block)
     params = (ones, torch.full((block,), TOP_K_OFF), ones, None)
     draws = torch.rand(block, generator=gen)
+    logits, candidates, coins, draws = (t.to(device) for t in (logits, candidates, coins, draws))
+    params = (*(t.to(device) for t in params[:3]), None)
     got = accept.sampled_accept(logits, candidates, *params, coins, draws)
-    assert torch.equal(got.accept_lens, lens.int()), got.accept_lens
+    assert torch.equal(got.accept_lens.cpu(), lens.int()), got.accept_lens
     assert_same(got, accept.sampled_accept_reference(logits, candidates, *params, coins, draws))
 
 
 @pytest.mark.parametrize("block", [2, 4, 16])
-def test_sampled_every_accept_length(interpret, block):
-    interpret(check_sampled_every_accept_length, block)
+def test_sampled_every_accept_length(kernel_runner, block):
+    kernel_runner(check_sampled_every_accept_length, block)
 
 
-def check_greedy_rows_inside_sampled_batch(seed: int) -> None:
+def check_greedy_rows_inside_sampled_batch(device: torch.device, seed: int) -> None:
     """top_k=1 rows accept exactly as greedy does (ties: first id), whatever the draws."""
     bs, block, vocab = 6, 4, 300
     gen = torch.Generator().manual_seed(seed)
@@ -232,18 +244,22 @@ def check_greedy_rows_inside_sampled_batch(seed: int) -> None:
     top_ks = torch.where(is_greedy, 1, 20)
     top_ps = torch.where(is_greedy, 1.0, 0.9)
     coins, draws = torch.rand(bs, block - 1, generator=gen), torch.rand(bs, generator=gen)
+    logits, candidates, temperatures, top_ks, top_ps, coins, draws = (
+        t.to(device) for t in (logits, candidates, temperatures, top_ks, top_ps, coins, draws)
+    )
     got = accept.sampled_accept(
         logits, candidates, temperatures, top_ks, top_ps, None, coins, draws
     )
     want = accept.greedy_accept_reference(logits, candidates)
+    is_greedy = is_greedy.to(device)
     for field in FIELDS:
         a, b = getattr(got, field)[is_greedy], getattr(want, field)[is_greedy]
         assert torch.equal(a, b), f"{field}: {a.tolist()} != {b.tolist()}"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_rows_inside_sampled_batch(interpret, seed):
-    interpret(check_greedy_rows_inside_sampled_batch, seed)
+def test_greedy_rows_inside_sampled_batch(kernel_runner, seed):
+    kernel_runner(check_greedy_rows_inside_sampled_batch, seed)
 
 
 # Ties at the cut are broken by lower token id (a stable descending sort): top-k keeps
@@ -256,26 +272,28 @@ TIE_CASES = {
 }
 
 
-def check_ties(logits, top_k, top_p, min_p, cut, last_id, emitted) -> None:
+def check_ties(device: torch.device, logits, top_k, top_p, min_p, cut, last_id, emitted) -> None:
     """One request, no drafts (B=1): the bonus is drawn from the filtered row."""
     n = len(emitted)
-    logits = torch.tensor([logits]).repeat(n, 1)
-    ones = torch.ones(n)
-    params = (ones, torch.full((n,), top_k), torch.full((n,), top_p), torch.full((n,), min_p))
+    logits = torch.tensor([logits], device=device).repeat(n, 1)
+    params = tuple(torch.full((n,), value, device=device) for value in (1.0, top_k, top_p, min_p))
     rows = accept.filter_rows(logits, 1, *params)
     assert rows.stats[0, 1].item() == cut and rows.last_ids[0].item() == last_id, rows
-    draws = torch.tensor([0.25, 0.75, 0.999])
-    candidates = torch.zeros(n, 1, dtype=torch.int64)
-    got = accept.sampled_accept(logits, candidates, *params, torch.empty(n, 0), draws)
+    draws = torch.tensor([0.25, 0.75, 0.999], device=device)
+    candidates = torch.zeros(n, 1, dtype=torch.int64, device=device)
+    coins = torch.empty(n, 0, device=device)
+    got = accept.sampled_accept(logits, candidates, *params, coins, draws)
     assert got.bonus.tolist() == emitted, got.bonus.tolist()
 
 
 @pytest.mark.parametrize("case", list(TIE_CASES))
-def test_ties(interpret, case):
-    interpret(check_ties, *TIE_CASES[case])
+def test_ties(kernel_runner, case):
+    kernel_runner(check_ties, *TIE_CASES[case])
 
 
-def check_first_token_distribution(draft_kind: str, min_p: float, n: int) -> None:
+def check_first_token_distribution(
+    device: torch.device, draft_kind: str, min_p: float, n: int
+) -> None:
     """Emitted tokens over n independent draws of one two-row request.
 
     The first token must follow row 0's filtered distribution whatever the draft (the
@@ -285,15 +303,22 @@ def check_first_token_distribution(draft_kind: str, min_p: float, n: int) -> Non
     """
     gen = torch.Generator().manual_seed(0)
     block, vocab = 2, 10
-    logits = distinct_logits(block, vocab, scale=1.5, gen=gen)
-    params = (torch.ones(1), torch.tensor([6]), torch.tensor([0.9]), torch.tensor([min_p]))
+    logits = distinct_logits(block, vocab, scale=1.5, gen=gen).to(device)
+    params = tuple(torch.tensor([value], device=device) for value in (1.0, 6, 0.9, min_p))
     probs = acceptance.sampling_probs(logits, *[p.repeat(block) for p in params])
     draft = {"top": probs[0].argmax(), "filtered_out": probs[0].argmin()}[draft_kind]
     rows = accept.filter_rows(logits, block, *params)
     tiled = accept.RowFilter(rows.stats.repeat(n, 1), rows.last_ids.repeat(n))
-    candidates = torch.tensor([[0, int(draft)]]).repeat(n, 1)
+    candidates = torch.tensor([[0, int(draft)]], device=device).repeat(n, 1)
     coins, draws = torch.rand(n, 1, generator=gen), torch.rand(n, generator=gen)
-    got = accept.sample_chain(logits.repeat(n, 1), candidates, torch.ones(n), tiled, coins, draws)
+    got = accept.sample_chain(
+        logits.repeat(n, 1),
+        candidates,
+        torch.ones(n, device=device),
+        tiled,
+        coins.to(device),
+        draws.to(device),
+    )
     accepted = got.accept_lens == 1
     if draft_kind == "filtered_out":
         assert not accepted.any(), "a draft outside the filtered set was accepted"
@@ -310,5 +335,5 @@ def check_first_token_distribution(draft_kind: str, min_p: float, n: int) -> Non
 
 
 @pytest.mark.parametrize("draft_kind, min_p", [("top", 0.1), ("filtered_out", 0.0)])
-def test_first_token_distribution(interpret, draft_kind, min_p):
-    interpret(check_first_token_distribution, draft_kind, min_p, 1500)
+def test_first_token_distribution(kernel_runner, draft_kind, min_p):
+    kernel_runner(check_first_token_distribution, draft_kind, min_p, 1500)

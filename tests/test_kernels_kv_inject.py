@@ -1,16 +1,16 @@
 """`kernels.kv_inject` against `kv_injection.inject` on SGLang's own draft model and KV pool.
 
-The draft is upstream's `DFlashDraftModel` with random weights, built on CPU inside a
-private runtime context (tp=1); the pool is a real `MHATokenToKVPool` filled with noise.
-After the fused path, committed slots must match the torch path and every other slot must
-be bit-identical to before. The `check_*` bodies run in a process where Triton interprets
-kernels on CPU (the `interpret` fixture says why that is a separate process).
+The draft is upstream's `DFlashDraftModel` with random weights, built inside a private
+runtime context (tp=1); the pool is a real `MHATokenToKVPool` filled with noise (both from
+`tests.draft_kv`). After the fused path, committed slots must match the torch path and
+every other slot must be bit-identical to before. The `check_*` bodies take the device
+first and run where the `kernel_runner` fixture sends them: interpreted on CPU, or
+compiled on CUDA with DFLASH_KERNEL_DEVICE=cuda.
 """
 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,18 +21,18 @@ install_sgl_kernel_shim()  # the interpreter process imports this module without
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.models.dflash import DFlashDraftModel  # noqa: E402
-from sglang.srt.runtime_context import SpawnRanks, create_context, use_context  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.runtime_context import use_context  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 from dflash_sglang import kv_injection  # noqa: E402
 from dflash_sglang.kernels import kv_inject  # noqa: E402
+from tests.draft_kv import random_draft, random_pool, runtime  # noqa: E402
 
 POOL_SLOTS = 300
 LAYERS = 3
 KV_HEADS, HEAD_DIM = 2, 16
 # bf16: the torch path rounds after the GEMM, the norm and each RoPE product, the kernel
-# once (truncating, under the interpreter): a few ulps apart.
+# once (truncating under the interpreter, to nearest on CUDA): a few ulps apart.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VARIANTS = {
@@ -43,18 +43,7 @@ VARIANTS = {
 
 
 @functools.cache
-def runtime():
-    """SGLang's layers read tp size/rank from a runtime context; a private one, tp=1."""
-    args = ServerArgs(model_path="dummy", device="cpu")
-    context = create_context(args, role="test", ranks=SpawnRanks(world_rank=0))
-    with use_context(context):
-        group = SimpleNamespace(rank_in_group=0, world_size=1)
-        context.parallel.override_permanently(tp_group=group, attn_tp_group=group)
-    return context
-
-
-@functools.cache
-def make_draft(variant: str, dtype: torch.dtype) -> DFlashDraftModel:
+def make_draft(variant: str, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     config_extra, dflash_extra = VARIANTS[variant]
     config = Qwen3Config(
         hidden_size=64,
@@ -70,31 +59,11 @@ def make_draft(variant: str, dtype: torch.dtype) -> DFlashDraftModel:
     for key, value in {"num_target_layers": 4, "block_size": 16, **config_extra}.items():
         setattr(config, key, value)
     config.dflash_config = {"mask_token_id": 3, "target_layer_ids": [0, 2], **dflash_extra}
-    with use_context(runtime()):
-        model = DFlashDraftModel(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.2 * noise)
-    return model.to(dtype)
+    return random_draft(config, dtype, device)
 
 
-def make_pool(dtype: torch.dtype, seed: int) -> MHATokenToKVPool:
-    pool = MHATokenToKVPool(
-        size=POOL_SLOTS,
-        page_size=1,
-        dtype=dtype,
-        head_num=KV_HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    for buf in (*pool.k_buffer, *pool.v_buffer):
-        buf.copy_(torch.randn(buf.shape, generator=gen))
-    return pool
+def make_pool(dtype: torch.dtype, seed: int, device: torch.device) -> MHATokenToKVPool:
+    return random_pool(POOL_SLOTS, dtype, KV_HEADS, HEAD_DIM, LAYERS, device, seed)
 
 
 def buffers(pool: MHATokenToKVPool) -> list[torch.Tensor]:
@@ -112,13 +81,17 @@ def make_rows(bs: int, block: int, seed: int):
     return hidden, positions, cache_loc, commit_lens
 
 
-def check_injected(variant: str, dtype_name: str, rows, commit_lens, block: int) -> None:
+def check_injected(
+    device: torch.device, variant: str, dtype_name: str, rows, commit_lens, block: int
+) -> None:
     """Fused vs torch injection into two identical pools."""
     dtype = DTYPES[dtype_name]
-    model = make_draft(variant, dtype)
-    hidden, positions, cache_loc = rows
+    model = make_draft(variant, dtype, device)
+    hidden, positions, cache_loc = (t.to(device) for t in rows)
     hidden = hidden.to(dtype)
-    reference, fused = make_pool(dtype, seed=0), make_pool(dtype, seed=0)
+    if commit_lens is not None:
+        commit_lens = commit_lens.to(device)
+    reference, fused = make_pool(dtype, 0, device), make_pool(dtype, 0, device)
     before = [b.clone() for b in buffers(fused)]
     with use_context(runtime()), torch.inference_mode():
         ok, reason = kv_inject.can_fuse(model, fused)
@@ -132,7 +105,7 @@ def check_injected(variant: str, dtype_name: str, rows, commit_lens, block: int)
         written = cache_loc
     else:
         written = cache_loc[kv_injection.committed_rows(commit_lens, block)]
-    untouched = torch.ones(POOL_SLOTS + 1, dtype=torch.bool)
+    untouched = torch.ones(POOL_SLOTS + 1, dtype=torch.bool, device=device)
     untouched[written] = False
     for i, (ref, out, old) in enumerate(
         zip(buffers(reference), buffers(fused), before, strict=True)
@@ -150,50 +123,43 @@ def check_injected(variant: str, dtype_name: str, rows, commit_lens, block: int)
 @pytest.mark.parametrize(
     "bs, block, seed", [(1, 1, 0), (3, 4, 1), (5, 8, 2), (2, 16, 3), (6, 16, 4)]
 )
-def test_committed_rows_match_torch(interpret, variant, dtype, bs, block, seed):
+def test_committed_rows_match_torch(kernel_runner, variant, dtype, bs, block, seed):
     hidden, positions, cache_loc, commit_lens = make_rows(bs, block, seed)
-    interpret(check_injected, variant, dtype, (hidden, positions, cache_loc), commit_lens, block)
+    rows = (hidden, positions, cache_loc)
+    kernel_runner(check_injected, variant, dtype, rows, commit_lens, block)
 
 
-def test_every_commit_length(interpret):
+def test_every_commit_length(kernel_runner):
     """One request per commit length 0..B in one batch."""
     block = 8
     hidden, positions, cache_loc, _ = make_rows(block + 1, block, seed=5)
     commit_lens = torch.arange(block + 1, dtype=torch.int32)
-    interpret(check_injected, "qwen3", "fp32", (hidden, positions, cache_loc), commit_lens, block)
+    rows = (hidden, positions, cache_loc)
+    kernel_runner(check_injected, "qwen3", "fp32", rows, commit_lens, block)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_prefill_writes_every_row(interpret, dtype):
+def test_prefill_writes_every_row(kernel_runner, dtype):
     hidden, positions, cache_loc, _ = make_rows(1, 37, seed=6)
     rows = (hidden, positions, cache_loc)
-    interpret(check_injected, "partial_rope_vscale", dtype, rows, None, 37)
+    kernel_runner(check_injected, "partial_rope_vscale", dtype, rows, None, 37)
 
 
-def check_can_fuse_explains_a_mismatched_pool() -> None:
-    pool = MHATokenToKVPool(
-        size=8,
-        page_size=1,
-        dtype=torch.float32,
-        head_num=KV_HEADS,
-        head_dim=2 * HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    verdict = kv_inject.can_fuse(make_draft("qwen3", torch.float32), pool)
+def check_can_fuse_explains_a_mismatched_pool(device: torch.device) -> None:
+    pool = random_pool(8, torch.float32, KV_HEADS, 2 * HEAD_DIM, LAYERS, device, seed=0)
+    verdict = kv_inject.can_fuse(make_draft("qwen3", torch.float32, device), pool)
     assert verdict == (False, "pool head shape differs from the draft's"), verdict
 
 
-def test_can_fuse_explains_a_mismatched_pool(interpret):
-    interpret(check_can_fuse_explains_a_mismatched_pool)
+def test_can_fuse_explains_a_mismatched_pool(kernel_runner):
+    kernel_runner(check_can_fuse_explains_a_mismatched_pool)
 
 
-def check_rows_are_validated() -> None:
-    hidden, positions, cache_loc, commit_lens = make_rows(2, 4, seed=8)
-    model = make_draft("qwen3", torch.float32)
+def check_rows_are_validated(device: torch.device) -> None:
+    hidden, positions, cache_loc, commit_lens = (t.to(device) for t in make_rows(2, 4, seed=8))
+    model = make_draft("qwen3", torch.float32, device)
     stacked = kv_inject.stack_kv_weights(model)
-    pool = make_pool(torch.float32, seed=0)
+    pool = make_pool(torch.float32, 0, device)
     with pytest.raises(ValueError, match="commit_lens"):
         kv_inject.inject_committed(
             model, stacked, pool, hidden, positions, cache_loc, commit_lens.repeat(3)
@@ -202,5 +168,5 @@ def check_rows_are_validated() -> None:
         kv_inject.inject_committed(model, stacked, pool, hidden[:-1], positions, cache_loc)
 
 
-def test_rows_are_validated(interpret):
-    interpret(check_rows_are_validated)
+def test_rows_are_validated(kernel_runner):
+    kernel_runner(check_rows_are_validated)
