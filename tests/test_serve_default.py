@@ -25,6 +25,10 @@ def test_embedded_default_answers_a_chat_completion(converted, tmp_path):
         r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
         r.raise_for_status()
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        # README's curl sets no temperature: the model card's defaults apply, not T=1.
+        readme = {k: v for k, v in body.items() if k != "temperature"} | {"max_tokens": 32}
+        r = requests.post(server.url + "/v1/chat/completions", json=readme, timeout=300)
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
         log = server.log_path.read_text()
         assert f"--speculative-draft-model-path {default_draft_dir()}" in log
         assert "--speculative-algorithm DFLASH_X" in log
