@@ -5,9 +5,9 @@ flags, a full (short) schedule, then `evaluate --features-dir` on held-out greed
 MT-Bench, HumanEval and math. Two arms run at once, one thread each (a 2-core machine runs
 two single-thread jobs with far less loss than one job at two threads next to another).
 
-    .venv/bin/python bench/drafter_arms.py --run /work/run/arms --steps 300 \
-        --features zlab=/work/run/f_zlab top=/work/run/f_top \
-        --heldout zlab=/work/run/heldout/f_zlab top=/work/run/heldout/f_top \
+    .venv/bin/python bench/drafter_arms.py --run run/arms --steps 300 \
+        --features zlab=run/f_zlab top=run/f_top \
+        --heldout zlab=run/heldout/f_zlab top=run/heldout/f_top \
         --out bench/drafter/arms.json
 """
 
