@@ -3,7 +3,13 @@
 Every SGLang server argument passes through unchanged. Added defaults (each only when the
 flag is absent): `--speculative-algorithm DFLASH_X` (when a draft is given), `--enable-metrics`,
 `--host 127.0.0.1`, `--device` from the machine, the platform's attention backend, and on
-CPU `--sleep-on-idle`.
+CPU `--sleep-on-idle` and `--max-total-tokens` sized for 8 full contexts of target + draft KV
+within 25% of host RAM (SGLang's own CPU default takes ~70% of RAM; `--mem-fraction-static`
+or `--max-total-tokens` given explicitly wins).
+`$DFLASH_API_KEY` (or the file `$DFLASH_API_KEY_FILE` names), when set, becomes `--api-key`
+(so a secret never sits in argv or `ps`): every route then needs `Authorization: Bearer KEY`
+except `/health*` and `/metrics` (SGLang's rule, for probes and scrapers); the `/dflash/`
+page and stats need it too.
 Without `--model-path` it serves the embedded default target. Draft/target mismatches fail
 here, before any process is spawned.
 """
@@ -14,7 +20,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflash_sglang import ALGORITHM, platform
@@ -23,6 +29,10 @@ from dflash_sglang import options as spec_options
 logger = logging.getLogger("dflash_sglang.launch_server")
 
 NO_SPECULATION = "NONE"
+# A key from the environment (a Kubernetes or compose secret) stays out of argv and `ps`.
+API_KEY_ENV = "DFLASH_API_KEY"
+API_KEY_FILE_ENV = "DFLASH_API_KEY_FILE"
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 
 class LaunchError(SystemExit):
@@ -76,6 +86,39 @@ def without_flag(args: list[str], flag: str) -> list[str]:
             skip = True
         elif not arg.startswith(flag + "="):
             out.append(arg)
+    return out
+
+
+def with_api_key_from(env: dict[str, str], args: list[str]) -> list[str]:
+    """`--api-key` from $DFLASH_API_KEY or the file $DFLASH_API_KEY_FILE names (a mounted
+    secret) when the flag is absent; an empty or unreadable key is an error."""
+    if has_flag(args, "--api-key") or not ({API_KEY_ENV, API_KEY_FILE_ENV} & env.keys()):
+        return args
+    source = f"${API_KEY_ENV}"
+    key = env.get(API_KEY_ENV, "")
+    if API_KEY_FILE_ENV in env:
+        source = f"${API_KEY_FILE_ENV} ({env[API_KEY_FILE_ENV]})"
+        try:
+            key = Path(env[API_KEY_FILE_ENV]).read_text()
+        except OSError as e:
+            raise LaunchError(f"{source} cannot be read: {e.strerror}") from e
+    if not key.strip():
+        raise LaunchError(f"{source} gives an empty API key: unset it or give a key")
+    return [*args, "--api-key", key.strip()]
+
+
+def redacted(args: Sequence[str]) -> list[str]:
+    """The argument list with secret values replaced, for logs."""
+    out, hide = [], False
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if hide:
+            out.append("***")
+        elif flag in SECRET_FLAGS and "=" in arg:
+            out.append(f"{flag}=***")
+        else:
+            out.append(arg)
+        hide = arg in SECRET_FLAGS
     return out
 
 
@@ -139,6 +182,31 @@ def check_models(args: Sequence[str], options: spec_options.SpecOptions) -> None
         raise LaunchError(str(e)) from e
 
 
+def with_cpu_kv_pool(args: list[str]) -> list[str]:
+    """`--max-total-tokens` from the models' KV size and context, unless the pool is given."""
+    import psutil
+
+    from dflash_sglang.checkpoint import read_config
+    from dflash_sglang.cpu_platform import kv_pool
+
+    if has_flag(args, "--max-total-tokens", "--mem-fraction-static"):
+        return args
+    target = read_config(flag_value(args, "--model-path") or flag_value(args, "--model"), "target")
+    draft_path = flag_value(args, "--speculative-draft-model-path") or flag_value(
+        args, "--speculative-draft-model"
+    )
+    draft = read_config(draft_path, "draft") if has_flag(args, "--speculative-algorithm") else None
+    text = target.get("text_config") or target
+    context = int(flag_value(args, "--context-length") or text["max_position_embeddings"])
+    dtype = flag_value(args, "--kv-cache-dtype")
+    dtype = dtype if dtype not in (None, "auto") else flag_value(args, "--dtype")
+    tokens = kv_pool.default_max_total_tokens(
+        target, draft, context, kv_pool.dtype_bytes(dtype, target), psutil.virtual_memory().total
+    )
+    logger.info("CPU KV pool: --max-total-tokens %d (pass it to choose another size)", tokens)
+    return [*args, "--max-total-tokens", str(tokens)]
+
+
 def block_size_of(args: Sequence[str], draft_block_size: int | None) -> int:
     """The block size `spec.resolve_block_size` will settle on, from the argument list."""
     from dflash_sglang.spec import DEFAULT_BLOCK_SIZE
@@ -187,8 +255,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "speculative decoding. Pass --speculative-draft-model-path to use DFLASH_X."
             )
     args = resolve_args(sglang_args, device, default_target, default_draft)
+    args = with_api_key_from(dict(os.environ), args)
     options = spec_options.from_cli(ours)
     check_models(args, options)
+    if platform_of(device) is platform.CPU:
+        args = with_cpu_kv_pool(args)
     os.environ.update(options.to_env())  # read by the worker in every scheduler process
 
     from sglang.launch_server import run_server
@@ -201,8 +272,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     from dflash_sglang import server
 
     server.install(app)
-    logger.info("launching SGLang: %s", " ".join(args))
-    run_server(prepare_server_args(args))
+    logger.info("launching SGLang: %s", " ".join(redacted(args)))
+    serve(lambda: run_server(prepare_server_args(args)))
+
+
+def serve(run: Callable[[], None]) -> None:
+    """Run SGLang; however it ends, end its children too, and exit non-zero on a failure.
+
+    Without this a scheduler that dies at start-up (e.g. OOM-killed) leaves the launcher
+    waiting on its still-running detokenizer forever: alive, not listening, never restarted
+    by a supervisor.
+    """
+    from sglang.srt.utils import kill_process_tree
+
+    status = 0
+    try:
+        run()
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException as e:  # noqa: BLE001 - any failure must end the process tree
+        logger.error("dflash_sglang.launch_server: SGLang stopped: %r", e)
+        status = 1
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    if status:
+        logging.shutdown()
+        os._exit(status)  # non-daemon threads of a half-started server must not hold us
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ from fastapi import FastAPI
 
 
 def install(app: FastAPI) -> None:
-    """`/dflash/stats`, `/dflash/stats/series` and the `/dflash/` status page."""
-    from dflash_sglang.server import stats, status_page
+    """`/dflash/stats`, `/dflash/stats/series`, the `/dflash/` status page, request checks."""
+    from dflash_sglang.server import stats, status_page, validation
 
     stats.install(app)
     status_page.install(app)
+    validation.install(app)

@@ -212,13 +212,17 @@ class StatsHistory:
             self._thread.start()
 
     def _run(self) -> None:
+        failing = False
         while True:
             try:
                 # SGLang sets the directory while launching, after we are installed.
                 if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
                     self.record(read_snapshot())
+                failing = False
             except Exception:  # noqa: BLE001 - a bad scrape must not end the sampler
-                logger.exception("dflash stats: reading the metric files failed")
+                if not failing:  # once per outage, not once a second
+                    logger.exception("dflash stats: reading the metric files failed")
+                failing = True
             time.sleep(SAMPLE_INTERVAL_S)
 
     def record(self, snap: Snapshot) -> None:

@@ -339,3 +339,20 @@ def test_k8s_service_and_servicemonitor_reach_the_pod(k8s):
             "replacement": rule["replacement"],
         }
     ]
+
+
+def test_api_key_comes_from_a_secret_never_inline(k8s):
+    """The launcher reads $DFLASH_API_KEY / $DFLASH_API_KEY_FILE; no file carries a key."""
+    from dflash_sglang.launch_server import API_KEY_ENV, API_KEY_FILE_ENV, SECRET_FLAGS
+
+    (container,) = k8s["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert set(env[API_KEY_ENV]) == {"name", "valueFrom"}
+    assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]["name"]
+    assert not env[API_KEY_ENV]["valueFrom"]["secretKeyRef"].get("optional", False)
+    service = compose()["services"][SERVER]
+    (secret,) = service["secrets"]
+    assert service["environment"][API_KEY_FILE_ENV] == f"/run/secrets/{secret}"
+    assert compose()["secrets"][secret] == {"environment": API_KEY_ENV}
+    for args in (container["args"], service["command"]):
+        assert not set(SECRET_FLAGS) & {a.split("=")[0] for a in args}
