@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve test lint bench clean gpu-setup gpu-check
+.PHONY: setup system-deps serve test lint bench clean gpu-setup gpu-check reliability
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)
+
+# Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
+reliability: setup
+	$(BIN)/python bench/lossless_load.py --out bench/reliability/lossless_load.json
+	$(BIN)/python bench/soak.py --out bench/reliability/soak
 
 # GPU machine: `setup`, then SGLang's CUDA dependency set, which requirements/cpu.lock leaves
 # out (sglang-kernel, flashinfer-python[cu13], flash-attn-4, cuda-python, ...): pip resolves it

@@ -107,19 +107,30 @@ def with_api_key_from(env: dict[str, str], args: list[str]) -> list[str]:
     return [*args, "--api-key", key.strip()]
 
 
-def redacted(args: Sequence[str]) -> list[str]:
-    """The argument list with secret values replaced, for logs."""
-    out, hide = [], False
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if hide:
-            out.append("***")
-        elif flag in SECRET_FLAGS and "=" in arg:
-            out.append(f"{flag}=***")
-        else:
-            out.append(arg)
-        hide = arg in SECRET_FLAGS
-    return out
+def secret_values(args: Sequence[str]) -> list[str]:
+    """The values of the secret flags in an argument list."""
+    values = [b for a, b in zip(args, args[1:], strict=False) if a in SECRET_FLAGS]
+    values += [a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in SECRET_FLAGS and "=" in a]
+    return [v for v in values if v]
+
+
+def hide_in_logs(secrets: list[str]) -> None:
+    """Mask `secrets` in every log record of this process: SGLang logs its whole
+    `server_args`, API key included, at start-up."""
+    if not secrets:
+        return
+    make_record = logging.getLogRecordFactory()
+
+    def masked(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        message = record.getMessage()
+        if any(s in message for s in secrets):
+            for s in secrets:
+                message = message.replace(s, "***")
+            record.msg, record.args = message, None
+        return record
+
+    logging.setLogRecordFactory(masked)
 
 
 def platform_of(device: str | None) -> platform.Platform:
@@ -272,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from dflash_sglang import server
 
     server.install(app)
-    logger.info("launching SGLang: %s", " ".join(redacted(args)))
+    hide_in_logs(secret_values(args))
+    logger.info("launching SGLang: %s", " ".join(args))
     serve(lambda: run_server(prepare_server_args(args)))
 
 

@@ -1,9 +1,10 @@
 """Request checks SGLang leaves out, answered with a 400 that names the field.
 
-Found by trying the server as a client would: SGLang expands `n` into that many copies of a
-request, so `"n": 0` becomes zero requests and the client waits forever. The checks run in a
-pure ASGI middleware before SGLang parses the body, and hand the body on unchanged, so a
-request that passes is served exactly as before.
+Found by trying the server as a client would and by fuzzing it: SGLang expands `n` into
+that many copies of a request, so `"n": 0` became zero requests and a client waiting forever;
+an empty prompt became an empty forward that killed the scheduler, and the server with it.
+The checks run in a pure ASGI middleware before SGLang parses the body, and hand the body on
+unchanged, so a request that passes is served exactly as before.
 """
 
 from __future__ import annotations
@@ -50,8 +51,23 @@ SAMPLING_FIELDS = (
 )
 
 
+def _empty_prompt(value: Any, field: str) -> str | None:
+    """A prompt of zero tokens reaches the model as an empty forward and kills the scheduler
+    (found by fuzzing): text "", ids [], or such an item of a batch."""
+    items = (
+        value if isinstance(value, list) and value and isinstance(value[0], list | str) else [value]
+    )
+    for i, item in enumerate(items):
+        if isinstance(item, str | list) and len(item) == 0:
+            where = field if items is not value else f"{field}[{i}]"
+            return f"`{where}` must not be empty"
+    return None
+
+
 def check_openai(body: dict[str, Any]) -> str | None:
     """`/v1/chat/completions` and `/v1/completions`: sampling fields at the top level."""
+    if "prompt" in body and (error := _empty_prompt(body["prompt"], "prompt")):
+        return error
     for field in SAMPLING_FIELDS:
         if error := _bad_number(body, field, ""):
             return error
@@ -60,6 +76,9 @@ def check_openai(body: dict[str, Any]) -> str | None:
 
 def check_generate(body: dict[str, Any]) -> str | None:
     """`/generate`: sampling fields under `sampling_params` (one dict or one per prompt)."""
+    for field in ("text", "input_ids"):
+        if field in body and (error := _empty_prompt(body[field], field)):
+            return error
     params = body.get("sampling_params")
     for i, p in enumerate(params if isinstance(params, list) else [params]):
         if not isinstance(p, dict):

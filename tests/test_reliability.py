@@ -8,30 +8,40 @@ $DFLASH_API_KEY; the SIGTERM test ends that server, so it comes last.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_sglang.cpu_platform import kv_pool
 from dflash_sglang.launch_server import (
     LaunchError,
     flag_value,
-    redacted,
+    hide_in_logs,
+    secret_values,
     with_api_key_from,
     with_cpu_kv_pool,
 )
 from dflash_sglang.server import validation
-from tests.server import PURE_DFLASH, Server, free_port
+from tests.prompts import prompt
+from tests.server import Server, free_port
 
 KEY = "test-key-4f1c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+RUNNING, QUEUED = 4, 8  # the keyed server's capacity
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
 
 
@@ -49,6 +59,13 @@ CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "
         ("/generate", {"text": "a", "sampling_params": {"n": 0}}, "`sampling_params.n`"),
         ("/generate", {"text": ["a"], "sampling_params": [{"top_p": float("inf")}]},
          "`sampling_params[0].top_p`"),
+        ("/generate", {"text": "", "sampling_params": {}}, "`text`"),
+        ("/generate", {"input_ids": [], "sampling_params": {}}, "`input_ids`"),
+        ("/generate", {"text": ["a", ""]}, "`text[1]`"),
+        ("/generate", {"input_ids": [[1, 2], []]}, "`input_ids[1]`"),
+        ("/v1/completions", {"prompt": ""}, "`prompt`"),
+        ("/v1/completions", {"prompt": []}, "`prompt`"),
+        ("/v1/completions", {"prompt": ["x", ""]}, "`prompt[1]`"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_named(path, body, field):
@@ -117,9 +134,19 @@ def test_api_key_from_a_mounted_secret_file(tmp_path, capsys):
     with pytest.raises(LaunchError):
         with_api_key_from({"DFLASH_API_KEY_FILE": str(tmp_path / "missing")}, [])
     assert "$DFLASH_API_KEY_FILE" in capsys.readouterr().err
-    assert KEY not in " ".join(
-        redacted(["--api-key", KEY, "--admin-api-key=" + KEY, "--port", "1"])
-    )
+
+
+def test_secrets_are_masked_in_log_records(caplog):
+    """SGLang logs its whole server_args, key included; the launcher masks it."""
+    assert secret_values(["--api-key", KEY, "--admin-api-key=" + KEY, "--port", "1"]) == [KEY] * 2
+    factory = logging.getLogRecordFactory()
+    try:
+        hide_in_logs([KEY])
+        with caplog.at_level(logging.INFO):
+            logging.getLogger("sglang.srt.entrypoints.engine").info("args=%s", {"api_key": KEY})
+        assert KEY not in caplog.text and "'api_key': '***'" in caplog.text
+    finally:
+        logging.setLogRecordFactory(factory)
 
 
 def test_a_failed_start_ends_the_launcher_and_its_children(tmp_path):
@@ -219,16 +246,130 @@ def _session(sid: int) -> list[int]:
         ("/v1/chat/completions", {**CHAT, "top_p": 0}),
         ("/v1/chat/completions", {**CHAT, "messages": []}),
         ("/generate", {"text": "Hello", "sampling_params": {"temperature": float("nan")}}),
+        ("/generate", {"text": "word " * 5000, "sampling_params": {"max_new_tokens": 4}}),
+        ("/generate", {"text": "", "sampling_params": {"max_new_tokens": 4}}),
+        ("/v1/completions", {"prompt": [], "max_tokens": 4}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"not-a-token": 5}}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "frequency_penalty": 9}),
+        ("/v1/chat/completions", {**CHAT, "temperature": "hot"}),
     ],
 )
 def test_bad_requests_get_a_prompt_4xx(live_dflash, path, body):
     r = requests.post(live_dflash.url + path, data=json.dumps(body),
                       headers={"Content-Type": "application/json"}, timeout=20)  # fmt: skip
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    assert _message(r), r.text[:300]
     assert live_dflash.generate("Hello", max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
 
 
-# --- auth and shutdown on a server with a key ----------------------------------------------
+def _message(r: requests.Response) -> str:
+    """The reason a 4xx gives, whichever of SGLang's/FastAPI's shapes it uses."""
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text
+    if isinstance(body, dict):
+        error = body.get("error")
+        detail = body.get("message") or body.get("detail")
+        return str(detail or (error.get("message") if isinstance(error, dict) else error) or "")
+    return str(body)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 8, "stop": ["e", " the", "\n"]}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 8, "unknown_field": {"x": 1}}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 8, "n": 2}),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 8, "logit_bias": {"5": 100}}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0.7, "seed": 1}),
+    ],
+)
+def test_unusual_but_valid_requests_are_served(live_dflash, path, body):
+    r = requests.post(live_dflash.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert len(choices) == body.get("n", 1)
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
+
+
+@pytest.mark.server
+def test_invalid_utf8_body_is_a_4xx(live_dflash):
+    raw = b'{"text": "caf\xe9 \xff", "sampling_params": {"max_new_tokens": 2}}'
+    for path in ("/generate", "/v1/completions"):
+        r = requests.post(live_dflash.url + path, data=raw, timeout=20,
+                          headers={"Content-Type": "application/json"})  # fmt: skip
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:200])
+
+
+# --- client faults: cut streams and API aborts among normal traffic ------------------------
+
+
+def _used_tokens(server: Server) -> int:
+    """KV rows held by requests now (cached prefixes are evictable and not counted)."""
+    loads = requests.get(server.url + "/v1/loads", headers=AUTH, timeout=30).json()["loads"]
+    return sum(load["num_used_tokens"] for load in loads)
+
+
+def _drained(server: Server, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _used_tokens(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _used_tokens(server) == 0
+
+
+def _greedy(max_new_tokens: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+@pytest.mark.server
+def test_client_faults_leave_nothing_behind(live_dflash, live_ar):
+    """100 streams cut at random points and 20 API aborts, interleaved with 40 normal
+    requests: the normal ones stay lossless, the pool drains, SGLang's idle leak check holds."""
+    rng = random.Random(0)
+    normal = [prompt(i, 5 + i % 20) for i in range(40)]
+    expected = [
+        live_ar.generate(t, max_new_tokens=24, ignore_eos=True)["output_ids"] for t in normal
+    ]
+
+    def cut(i: int) -> None:
+        body = {"text": prompt(100 + i, 8), "stream": True, "sampling_params": _greedy(400)}
+        keep = rng.randrange(1, 40)
+        with requests.post(live_dflash.url + "/generate", json=body, stream=True, timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= keep:
+                    break  # leaving the block drops the connection mid-stream
+
+    def abort(i: int) -> str:
+        rid = f"abort-{i}-{rng.random()}"
+        body = {"text": prompt(200 + i, 8), "rid": rid, "sampling_params": _greedy(2000)}
+        with ThreadPoolExecutor(1) as one:
+            pending = one.submit(
+                requests.post, live_dflash.url + "/generate", json=body, timeout=120
+            )
+            time.sleep(rng.uniform(0.05, 0.5))
+            requests.post(live_dflash.url + "/abort_request", json={"rid": rid}, timeout=30)
+            return pending.result().json()["meta_info"]["finish_reason"]["type"]
+
+    def plain(i: int) -> bool:
+        got = live_dflash.generate(normal[i], max_new_tokens=24, ignore_eos=True)["output_ids"]
+        return got == expected[i]
+
+    tasks = [(cut, i) for i in range(100)] + [(abort, i) for i in range(20)]
+    tasks += [(plain, i) for i in range(40)]
+    rng.shuffle(tasks)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda t: (t[0].__name__, t[0](t[1])), tasks))
+    assert all(ok for name, ok in results if name == "plain"), "a normal request lost tokens"
+    assert {r for name, r in results if name == "abort"} <= {"abort", "length"}
+    assert _drained(live_dflash)
+    assert "memory leak" not in live_dflash.log_path.read_text()
+    assert requests.get(live_dflash.url + "/health", timeout=30).status_code == 200
+
+
+# --- auth, overload and shutdown on a server with a key and small capacity ------------------
 
 
 @pytest.fixture(scope="module")
@@ -237,16 +378,14 @@ def keyed(models, tmp_path_factory):
     try:
         server = Server(
             ["--model-path", str(models["target"]), "--dtype", "float32",
-             "--speculative-draft-model-path", str(models["draft"]), *PURE_DFLASH],
+             "--speculative-draft-model-path", str(models["draft"]),
+             "--max-running-requests", str(RUNNING), "--max-queued-requests", str(QUEUED)],
             tmp_path_factory.mktemp("keyed") / "keyed.log",
         )  # fmt: skip
     finally:
         del os.environ["DFLASH_API_KEY"]
     yield server
     server.stop()
-
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.mark.server
@@ -283,6 +422,99 @@ def test_probes_and_scrapers_stay_open(keyed):
 
 
 @pytest.mark.server
+def test_overload_sheds_cleanly_and_recovers(keyed):
+    """10x capacity at once (running + queued = 12, 120 requests): each is served or refused
+    with a 503/429 and a reason, never a crash or a hang; then the server serves at speed."""
+
+    def one(i: int) -> tuple[int, str]:
+        body = {"prompt": prompt(i, 10), "max_tokens": 32, "temperature": 0}
+        r = requests.post(keyed.url + "/v1/completions", json=body, headers=AUTH, timeout=300)
+        return r.status_code, "" if r.status_code == 200 else _message(r)
+
+    def timed_batch() -> float:
+        start = time.monotonic()
+        with ThreadPoolExecutor(RUNNING) as pool:
+            assert [c for c, _ in pool.map(one, range(RUNNING))] == [200] * RUNNING
+        return time.monotonic() - start
+
+    before = timed_batch()
+    with ThreadPoolExecutor(120) as pool:
+        results = list(pool.map(one, range(10 * (RUNNING + QUEUED))))
+    codes = Counter(code for code, _ in results)
+    assert set(codes) <= {200, 429, 503}, codes
+    assert codes[200] >= RUNNING + QUEUED and codes[200] < len(results), codes
+    assert all(reason for code, reason in results if code != 200)
+    assert _drained(keyed)
+    after = timed_batch()
+    assert after < 3 * before + 1, (before, after)  # recovered: no stuck slow state
+    print(f"overload: {dict(codes)}; batch of {RUNNING} before {before:.2f}s, after {after:.2f}s")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats() | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+# Lengths that either finish fast or must be refused; never a long generation.
+LENGTH = (
+    st.integers(1, 6) | st.integers(10**7, 2**63) | st.integers(-(2**31), 0) | st.text(max_size=4)
+)
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "stop", "logit_bias", "seed",
+          "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+          "logprobs", "top_logprobs", "stream", "echo", "unknown_field")  # fmt: skip
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                           "content": st.text(max_size=40) | JSON}),
+    max_size=3,
+) | JSON  # fmt: skip
+BODIES = st.one_of(
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"messages": MESSAGES, "max_tokens": LENGTH}, optional=dict.fromkeys(FIELDS, JSON))),
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"prompt": st.text(max_size=40) | JSON, "max_tokens": LENGTH},
+        optional=dict.fromkeys(FIELDS, JSON))),
+    st.tuples(st.just("/generate"), st.fixed_dictionaries(
+        {"text": st.text(max_size=40) | JSON, "sampling_params": st.fixed_dictionaries(
+            {"max_new_tokens": LENGTH}, optional=dict.fromkeys(FIELDS, JSON)) | JSON})),
+)  # fmt: skip
+
+
+@pytest.mark.server
+def test_fuzzed_requests_never_get_a_5xx(keyed):
+    """Hypothesis-generated bodies (wrong types, NaN/inf, huge and negative numbers, unknown
+    fields, odd roles) on the generation routes, and odd query strings on ours."""
+    seen: Counter = Counter()
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(BODIES)
+    def check(case):
+        path, body = case
+        raw = json.dumps(body, allow_nan=True)
+        headers = {**AUTH, "Content-Type": "application/json"}
+        r = requests.post(keyed.url + path, data=raw, headers=headers, timeout=120)
+        seen[r.status_code] += 1
+        assert r.status_code < 500, (path, raw[:300], r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            assert _message(r), (path, raw[:300], r.text[:300])
+
+    check()
+    odd_queries = [
+        ("/dflash/stats", q)
+        for q in ("window_steps=0", "window_steps=abc", "window_steps=99999999999")
+    ]
+    odd_queries += [("/dflash/stats/series", q) for q in ("seconds=-1", "seconds=nan", "step_s=0")]
+    for path, query in odd_queries:
+        r = requests.get(f"{keyed.url}{path}?{query}", headers=AUTH, timeout=30)
+        assert 400 <= r.status_code < 500, (path, query, r.status_code, r.text[:200])
+    assert requests.get(keyed.url + "/health", timeout=30).status_code == 200
+    assert _drained(keyed)
+    print("fuzz status codes:", dict(seen))
+
+
+@pytest.mark.server
 def test_sigterm_during_streaming_ends_cleanly(keyed):
     """Runs last: in-flight streams end (finished or closed), the tree exits in bounded time."""
     tree = [keyed.proc.pid, *(c.pid for c in psutil.Process(keyed.proc.pid).children(True))]
@@ -314,5 +546,6 @@ def test_sigterm_during_streaming_ends_cleanly(keyed):
     time.sleep(1)
     assert not _alive(tree)
     assert took < 60
+    print(f"SIGTERM: tree gone in {took:.1f}s; streams ended with", [c[-1][:20] for c in chunks])
     for c in chunks:  # each stream either finished or ended; never a half-written line
         assert c[-1] in ("data: [DONE]", "") or c[-1].startswith(("closed:", "data: {")), c[-3:]
