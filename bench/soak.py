@@ -1,6 +1,6 @@
 """Soak: the default launch under steady load through the locust users, then what is left.
 
-    python bench/soak.py --out bench/reliability/soak          # ~25 min
+    python bench/soak.py --out bench/reliability/soak          # ~25-30 min
 
 Starts `python -m dflash_sglang.launch_server` (embedded SmolLM2 + bundled drafter, default
 launch, metrics on), runs one sweep level of `--concurrency` locust users on mixed real
@@ -72,7 +72,7 @@ def plot(points: list[dict], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     ap.add_argument("--out", required=True, help="directory for soak.json, soak.png, the sweep")

@@ -20,6 +20,7 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
                                                    planner predicted it
   dflash_verify_width                              gauge: tokens verified per request (last step)
   dflash_draft_kv_rows                             gauge: draft-KV rows holding injected features
+                                                   (requests and radix cache)
   dflash_radix_reused_draft_kv_tokens_total        prompt tokens whose draft KV came from the
                                                    radix cache instead of being injected again
 

@@ -356,3 +356,9 @@ def test_api_key_comes_from_a_secret_never_inline(k8s):
     assert compose()["secrets"][secret] == {"environment": API_KEY_ENV}
     for args in (container["args"], service["command"]):
         assert not set(SECRET_FLAGS) & {a.split("=")[0] for a in args}
+
+
+def test_k8s_gives_in_flight_requests_time_to_finish(k8s):
+    """SGLang drains running requests on SIGTERM; the pod must not be killed first."""
+    spec = k8s["Deployment"]["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] >= 120

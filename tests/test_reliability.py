@@ -546,6 +546,7 @@ def test_sigterm_during_streaming_ends_cleanly(keyed):
     time.sleep(1)
     assert not _alive(tree)
     assert took < 60
-    print(f"SIGTERM: tree gone in {took:.1f}s; streams ended with", [c[-1][:20] for c in chunks])
+    done = sum("data: [DONE]" in c for c in chunks)
+    print(f"SIGTERM: tree gone in {took:.1f}s; {done} of {len(chunks)} streams finished")
     for c in chunks:  # each stream either finished or ended; never a half-written line
         assert c[-1] in ("data: [DONE]", "") or c[-1].startswith(("closed:", "data: {")), c[-3:]
