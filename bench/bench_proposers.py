@@ -33,6 +33,10 @@ ARMS = {
     "dx": [],
     "adaptive": ["--dflash-suffix", "off"],
     "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
+    # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
+    # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
+    "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
+    "width1": ["--dflash-widths", "1", "--dflash-suffix", "off"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 

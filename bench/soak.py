@@ -6,9 +6,10 @@ Starts `python -m dflash_sglang.launch_server` (embedded SmolLM2 + bundled draft
 launch, metrics on), runs one sweep level of `--concurrency` locust users on mixed real
 prompts until `--requests` requests are done (sized for >= 20 minutes on a 2-core CPU), and
 reports: failed/unfinished requests (from the sweep), KV rows still held by requests
-afterwards (`/v1/loads`, after SGLang's idle leak check has run), the scheduler's RSS at start
-of load and at the end, and τ and output tok/s per minute from `/dflash/stats/series`
-(plotted). Exit status 1 when a request failed, the pool did not drain, or a leak was logged.
+afterwards (`/v1/loads`, after SGLang's idle leak check has run), the scheduler's RSS before
+the load, once a minute during it and at the end, and τ and output tok/s per minute from
+`/dflash/stats/series` (plotted). Exit status 1 when a request failed, the pool did not
+drain, or a leak was logged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,24 @@ def scheduler_rss_mb(server: Server) -> float:
         except psutil.Error:
             pass
     return round(total / 2**20, 1)
+
+
+class RssSampler(threading.Thread):
+    """The scheduler's RSS once a minute while the load runs: growth that levels off is the
+    KV pool's pages being touched; growth that keeps climbing is a leak."""
+
+    def __init__(self, server: Server, every_s: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.server, self.every_s = server, every_s
+        self.samples: list[tuple[float, float]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        start = time.time()
+        while not self.stopped.wait(0 if not self.samples else self.every_s):
+            self.samples.append(
+                (round((time.time() - start) / 60, 1), scheduler_rss_mb(self.server))
+            )
 
 
 def used_tokens(server: Server) -> int:
@@ -84,6 +104,8 @@ def main() -> int:
     server = Server([], log, threads=args.threads)
     try:
         rss_start = scheduler_rss_mb(server)
+        rss = RssSampler(server)
+        rss.start()
         start = time.time()
         sweep = subprocess.run(
             [sys.executable, "-m", "loadtest.sweep", "--url", server.url,
@@ -93,6 +115,7 @@ def main() -> int:
             cwd=REPO, capture_output=True, text=True,
         )  # fmt: skip
         minutes = (time.time() - start) / 60
+        rss.stopped.set()
         time.sleep(5)  # idle: SGLang's scheduler runs its leak check
         drained = used_tokens(server)
         rss_end = scheduler_rss_mb(server)
@@ -117,6 +140,7 @@ def main() -> int:
         "kv_rows_held_after": drained,
         "leak_logged": leak,
         "scheduler_rss_mb": {"start": rss_start, "end": rss_end},
+        "scheduler_rss_mb_per_minute": rss.samples,
         "per_minute": series,
         "sweep_exit": sweep.returncode,
     }

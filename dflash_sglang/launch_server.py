@@ -208,7 +208,10 @@ def with_cpu_kv_pool(args: list[str]) -> list[str]:
     )
     draft = read_config(draft_path, "draft") if has_flag(args, "--speculative-algorithm") else None
     text = target.get("text_config") or target
-    context = int(flag_value(args, "--context-length") or text["max_position_embeddings"])
+    context = flag_value(args, "--context-length") or text.get("max_position_embeddings")
+    if not str(context).isdigit():
+        return args  # SGLang's own parser names a bad --context-length; no default without one
+    context = int(context)
     dtype = flag_value(args, "--kv-cache-dtype")
     dtype = dtype if dtype not in (None, "auto") else flag_value(args, "--dtype")
     tokens = kv_pool.default_max_total_tokens(

@@ -112,6 +112,11 @@ def test_launcher_sizes_the_cpu_pool_unless_given(models):
         "100",
     ]
     assert with_cpu_kv_pool([*args, "--mem-fraction-static=0.5"])[-1] == "--mem-fraction-static=0.5"
+    assert with_cpu_kv_pool([*args, "--context-length", "x"])[-1] == "x"  # SGLang names the flag
+    assert (
+        flag_value(with_cpu_kv_pool([*args, "--context-length", "1000"]), "--max-total-tokens")
+        == "8000"
+    )
 
 
 def test_api_key_comes_from_the_environment_and_stays_out_of_logs():
