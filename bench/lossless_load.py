@@ -78,11 +78,6 @@ def tokenize(requests_: list[dict], target: Path) -> None:
         )
 
 
-def gauge(snapshot: server_metrics.Snapshot, name: str) -> float:
-    """Summed over label sets (one per scheduler process)."""
-    return sum(v for k, v in snapshot.gauges.items() if k == name or k.startswith(name + "{"))
-
-
 def run(server: Server, requests_: list[dict], concurrency: int) -> dict:
     """Every request once at `concurrency`; outputs in request order, and what the pool did."""
     before = server_metrics.scrape(server.url)
@@ -110,8 +105,8 @@ def run(server: Server, requests_: list[dict], concurrency: int) -> dict:
         "cached_prompt_tokens": sum(o["meta_info"].get("cached_tokens", 0) for o in outs),
         "retracted_requests": server_metrics.total(deltas, RETRACTED),
         "tau": server_metrics.tau(deltas),
-        "token_usage_after": gauge(after, TOKEN_USAGE),
-        "draft_kv_rows_after": gauge(after, metrics.PREFIX + "draft_kv_rows"),
+        "token_usage_after": server_metrics.total(after.gauges, TOKEN_USAGE),
+        "draft_kv_rows_after": server_metrics.total(after.gauges, metrics.PREFIX + "draft_kv_rows"),
     }
 
 

@@ -29,16 +29,16 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflash_sglang.managed_server import Server  # noqa: E402
+from dflash_sglang.loadtest import server_metrics  # noqa: E402
+from dflash_sglang.managed_server import Server, scheduler_processes  # noqa: E402
 
 
 def scheduler_rss_mb(server: Server) -> float:
     """Resident memory of the server's scheduler process(es)."""
     total = 0
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
+    for process in scheduler_processes(server.proc.pid):
         try:
-            if " ".join(child.cmdline()).startswith("sglang::scheduler"):
-                total += child.memory_info().rss
+            total += process.memory_info().rss
         except psutil.Error:
             pass
     return round(total / 2**20, 1)
@@ -60,11 +60,6 @@ class RssSampler(threading.Thread):
             self.samples.append(
                 (round((time.time() - start) / 60, 1), scheduler_rss_mb(self.server))
             )
-
-
-def used_tokens(server: Server) -> int:
-    loads = requests.get(server.url + "/v1/loads", timeout=30).json()["loads"]
-    return sum(load["num_used_tokens"] for load in loads)
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -117,7 +112,7 @@ def main() -> int:
         minutes = (time.time() - start) / 60
         rss.stopped.set()
         time.sleep(5)  # idle: SGLang's scheduler runs its leak check
-        drained = used_tokens(server)
+        drained = server_metrics.held_kv_rows(server.url)
         rss_end = scheduler_rss_mb(server)
         series = requests.get(
             server.url + "/dflash/stats/series",

@@ -174,16 +174,22 @@ def resolve_args(
     return args
 
 
+def model_paths(args: Sequence[str]) -> tuple[str | None, str | None]:
+    """Target and draft paths, under either spelling of their flags."""
+    target = flag_value(args, "--model-path") or flag_value(args, "--model")
+    draft = flag_value(args, "--speculative-draft-model-path") or flag_value(
+        args, "--speculative-draft-model"
+    )
+    return target, draft
+
+
 def check_models(args: Sequence[str], options: spec_options.SpecOptions) -> None:
     """Fail fast on a draft that cannot serve with its target, or options that do not fit it."""
     from dflash_sglang.checkpoint import CheckpointError, check_pair, read_config
 
-    target = flag_value(args, "--model-path") or flag_value(args, "--model")
+    target, draft = model_paths(args)
     try:
         read_config(target, "target")
-        draft = flag_value(args, "--speculative-draft-model-path") or flag_value(
-            args, "--speculative-draft-model"
-        )
         if (flag_value(args, "--speculative-algorithm") or "").upper() == ALGORITHM:
             if draft is None:
                 raise CheckpointError(f"{ALGORITHM} needs --speculative-draft-model-path")
@@ -202,10 +208,8 @@ def with_cpu_kv_pool(args: list[str]) -> list[str]:
 
     if has_flag(args, "--max-total-tokens", "--mem-fraction-static"):
         return args
-    target = read_config(flag_value(args, "--model-path") or flag_value(args, "--model"), "target")
-    draft_path = flag_value(args, "--speculative-draft-model-path") or flag_value(
-        args, "--speculative-draft-model"
-    )
+    target_path, draft_path = model_paths(args)
+    target = read_config(target_path, "target")
     draft = read_config(draft_path, "draft") if has_flag(args, "--speculative-algorithm") else None
     text = target.get("text_config") or target
     context = flag_value(args, "--context-length") or text.get("max_position_embeddings")
@@ -246,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ours, sglang_args = our_parser().parse_known_args(argv)
     device = flag_value(sglang_args, "--device") or platform.detect_device()
-    if platform_of(device) is platform.CPU:
+    on_cpu = platform_of(device) is platform.CPU
+    if on_cpu:
         from dflash_sglang import cpu_platform
 
         os.environ.update(cpu_platform.child_environment(dict(os.environ)))
@@ -272,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = with_api_key_from(dict(os.environ), args)
     options = spec_options.from_cli(ours)
     check_models(args, options)
-    if platform_of(device) is platform.CPU:
+    if on_cpu:
         args = with_cpu_kv_pool(args)
     os.environ.update(options.to_env())  # read by the worker in every scheduler process
 

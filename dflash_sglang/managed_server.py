@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import requests
 
 STARTUP_TIMEOUT_S = 300
@@ -19,6 +20,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scheduler_processes(pid: int) -> list[psutil.Process]:
+    """The `sglang::scheduler` processes below a launcher process."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("sglang::scheduler"):
+                found.append(child)
+        except psutil.Error:  # exited while we looked
+            pass
+    return found
 
 
 class Server:

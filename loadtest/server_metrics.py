@@ -62,10 +62,20 @@ def counter_deltas(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return {k: v for k, v in deltas.items() if v}
 
 
-def total(deltas: dict[str, float], name: str) -> float:
-    """Summed over label sets (e.g. one series per scheduler process)."""
-    return sum(v for k, v in deltas.items() if k == name or k.startswith(name + "{"))
+def total(samples: dict[str, float], name: str) -> float:
+    """Summed over label sets (e.g. one series per scheduler process): counter deltas or
+    a snapshot's gauges."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
 def tau(deltas: dict[str, float]) -> float | None:
     return metrics.tau(total(deltas, metrics.ACCEPTED), total(deltas, metrics.DRAFTS))
+
+
+def held_kv_rows(base_url: str, headers: dict[str, str] | None = None) -> int:
+    """KV rows held by requests right now (SGLang's `/v1/loads`; evictable radix-cached
+    prefixes are not counted). The draft shares the target's row allocator, so 0 means both
+    pools are free."""
+    r = requests.get(base_url.rstrip("/") + "/v1/loads", headers=headers, timeout=30)
+    r.raise_for_status()
+    return sum(load["num_used_tokens"] for load in r.json()["loads"])

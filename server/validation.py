@@ -34,13 +34,6 @@ def _bad_n(value: Any, field: str) -> str | None:
     return None
 
 
-def _bad_number(params: dict[str, Any], field: str, prefix: str) -> str | None:
-    value = params.get(field)
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"`{prefix}{field}` must be a finite number, got {value}"
-    return None
-
-
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -51,43 +44,40 @@ SAMPLING_FIELDS = (
 )
 
 
-def _empty_prompt(value: Any, field: str) -> str | None:
+def _bad_sampling(params: dict[str, Any], prefix: str) -> str | None:
+    """Non-finite sampling numbers and an `n` SGLang cannot serve, in one parameter dict."""
+    for field in SAMPLING_FIELDS:
+        value = params.get(field)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"`{prefix}{field}` must be a finite number, got {value}"
+    return _bad_n(params.get("n"), prefix + "n")
+
+
+def _empty_prompt(body: dict[str, Any], field: str) -> str | None:
     """A prompt of zero tokens reaches the model as an empty forward and kills the scheduler
     (found by fuzzing): text "", ids [], or such an item of a batch."""
-    items = (
-        value if isinstance(value, list) and value and isinstance(value[0], list | str) else [value]
-    )
-    for i, item in enumerate(items):
-        if isinstance(item, str | list) and len(item) == 0:
-            where = field if items is not value else f"{field}[{i}]"
-            return f"`{where}` must not be empty"
+    value = body.get(field)
+    batch = isinstance(value, list) and bool(value) and isinstance(value[0], list | str)
+    for i, item in enumerate(value if batch else [value]):
+        if isinstance(item, str | list) and not item:
+            return f"`{field}[{i}]` must not be empty" if batch else f"`{field}` must not be empty"
     return None
 
 
 def check_openai(body: dict[str, Any]) -> str | None:
     """`/v1/chat/completions` and `/v1/completions`: sampling fields at the top level."""
-    if "prompt" in body and (error := _empty_prompt(body["prompt"], "prompt")):
-        return error
-    for field in SAMPLING_FIELDS:
-        if error := _bad_number(body, field, ""):
-            return error
-    return _bad_n(body.get("n"), "n")
+    return _empty_prompt(body, "prompt") or _bad_sampling(body, "")
 
 
 def check_generate(body: dict[str, Any]) -> str | None:
     """`/generate`: sampling fields under `sampling_params` (one dict or one per prompt)."""
-    for field in ("text", "input_ids"):
-        if field in body and (error := _empty_prompt(body[field], field)):
-            return error
+    if error := _empty_prompt(body, "text") or _empty_prompt(body, "input_ids"):
+        return error
     params = body.get("sampling_params")
-    for i, p in enumerate(params if isinstance(params, list) else [params]):
-        if not isinstance(p, dict):
-            continue
-        prefix = "sampling_params." if not isinstance(params, list) else f"sampling_params[{i}]."
-        for field in SAMPLING_FIELDS:
-            if error := _bad_number(p, field, prefix):
-                return error
-        if error := _bad_n(p.get("n"), prefix + "n"):
+    batch = isinstance(params, list)
+    for i, p in enumerate(params if batch else [params]):
+        prefix = f"sampling_params[{i}]." if batch else "sampling_params."
+        if isinstance(p, dict) and (error := _bad_sampling(p, prefix)):
             return error
     return None
 
@@ -122,15 +112,12 @@ class RequestChecks:
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
-        raw = b""
         while True:
             message = await receive()
             messages.append(message)
-            if message["type"] != "http.request":
+            if message["type"] != "http.request" or not message.get("more_body", False):
                 break
-            raw += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        raw = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         if (reason := check(scope["path"], raw)) is not None:
             response = JSONResponse(
                 {"object": "error", "message": reason, "type": "BadRequestError", "code": 400},

@@ -362,3 +362,10 @@ def test_k8s_gives_in_flight_requests_time_to_finish(k8s):
     """SGLang drains running requests on SIGTERM; the pod must not be killed first."""
     spec = k8s["Deployment"]["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] >= 120
+
+
+def test_compose_cache_volume_is_hf_home():
+    """The model cache volume is where HF_HOME points, as in the k8s Deployment."""
+    service = compose()["services"][SERVER]
+    targets = [re.sub(r"\$\{[^}]*\}", "var", v).split(":")[1] for v in service["volumes"]]
+    assert service["environment"]["HF_HOME"] in targets

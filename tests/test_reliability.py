@@ -35,6 +35,8 @@ from dflash_sglang.launch_server import (
     with_api_key_from,
     with_cpu_kv_pool,
 )
+from dflash_sglang.loadtest.server_metrics import held_kv_rows
+from dflash_sglang.managed_server import scheduler_processes
 from dflash_sglang.server import validation
 from tests.prompts import prompt
 from tests.server import Server, free_port
@@ -191,19 +193,13 @@ def test_scheduler_killed_at_start_up_ends_the_launcher(models, tmp_path):
     log = open(tmp_path / "launcher.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        launcher = psutil.Process(proc.pid)
         deadline = time.monotonic() + 120
-        scheduler = None
-        while scheduler is None and time.monotonic() < deadline and proc.poll() is None:
-            for child in launcher.children(recursive=True):
-                try:
-                    if " ".join(child.cmdline()).startswith("sglang::scheduler"):
-                        scheduler = child
-                except psutil.Error:
-                    pass
+        schedulers = []
+        while not schedulers and time.monotonic() < deadline and proc.poll() is None:
+            schedulers = scheduler_processes(proc.pid)
             time.sleep(0.05)
-        assert scheduler is not None, (tmp_path / "launcher.log").read_text()[-3000:]
-        scheduler.kill()
+        assert schedulers, (tmp_path / "launcher.log").read_text()[-3000:]
+        schedulers[0].kill()
         assert proc.wait(timeout=90) != 0
         time.sleep(1)
         assert not _alive(_session(proc.pid))
@@ -312,17 +308,11 @@ def test_invalid_utf8_body_is_a_4xx(live_dflash):
 # --- client faults: cut streams and API aborts among normal traffic ------------------------
 
 
-def _used_tokens(server: Server) -> int:
-    """KV rows held by requests now (cached prefixes are evictable and not counted)."""
-    loads = requests.get(server.url + "/v1/loads", headers=AUTH, timeout=30).json()["loads"]
-    return sum(load["num_used_tokens"] for load in loads)
-
-
 def _drained(server: Server, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _used_tokens(server) and time.monotonic() < deadline:
+    while held_kv_rows(server.url, AUTH) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return _used_tokens(server) == 0
+    return held_kv_rows(server.url, AUTH) == 0
 
 
 def _greedy(max_new_tokens: int) -> dict:
