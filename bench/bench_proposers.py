@@ -37,6 +37,9 @@ ARMS = {
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
     "width1": ["--dflash-widths", "1", "--dflash-suffix", "off"],
+    # DFlash block at a fixed narrow width: what a step that drafts costs against its gain.
+    "width2": ["--dflash-widths", "2", "--dflash-suffix", "off"],
+    "width4": ["--dflash-widths", "4", "--dflash-suffix", "off"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 

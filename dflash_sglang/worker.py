@@ -9,6 +9,7 @@ Plain DFlash drafts only: selector, Domino and LiLiCorr variants are rejected at
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -117,7 +118,6 @@ class DFlashXWorker(DFlashWorkerV2):
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
-        self._stacked_kv = self._fused_injection() if self._ours else None
         self._last_step: tuple[StepPlan, int, float] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self.metrics: PrometheusMetrics | None = None
@@ -366,18 +366,25 @@ class DFlashXWorker(DFlashWorkerV2):
                 ).view(bs, width - 1)
         return torch.cat([block_ids[:, :1], proposals.to(torch.int64)], dim=1)
 
-    def _fused_injection(self):
-        """Our one-launch KV injection's stacked weights, where it computes what the torch
-        path does for this draft and pool (else upstream's fused path or torch)."""
-        from dflash_sglang.kernels import kv_inject
-
-        fits, reason = kv_inject.can_fuse(
+    @functools.cached_property
+    def _stacked_injection(self) -> tuple[kv_injection.StackedKV, Callable] | None:
+        """Stacked weights and the injection that reads them, chosen at the first injection
+        (the draft KV pool does not exist at `__init__`): our Triton kernel where compiled
+        Triton runs, its torch form where it does not (CPU); None for upstream's fused path
+        (`--dflash-kernels upstream`) or the per-layer one."""
+        if self.platform.triton_kernels and not self._ours:
+            return None
+        fits, reason = kv_injection.can_stack(
             self.draft_model, self.draft_model_runner.token_to_kv_pool
         )
         if not fits:
-            logger.info("DFLASH_X KV injection kernel off (%s): upstream's path", reason)
+            logger.info("DFLASH_X stacked KV injection off (%s): per-layer path", reason)
             return None
-        return kv_inject.stack_kv_weights(self.draft_model)
+        if self._ours:
+            from dflash_sglang.kernels.kv_inject import inject_committed as inject
+        else:
+            inject = kv_injection.inject_stacked
+        return kv_injection.stack_kv_weights(self.draft_model), inject
 
     def _maybe_build_draft_sampler(self):
         """Upstream folds the full-vocabulary head into the draft graph; ours the restricted."""
@@ -547,15 +554,15 @@ class DFlashXWorker(DFlashWorkerV2):
         commit_lens: torch.Tensor | None = None,
         extend_lens: torch.Tensor | None = None,
     ) -> None:
-        """KV injection seam: our one-launch kernel, else upstream's fused path (GPU), else
-        `kv_injection` (CPU)."""
-        if self._stacked_kv is not None:
-            from dflash_sglang.kernels import kv_inject
-
+        """KV injection seam: the stacked path (our Triton kernel, or its torch form on CPU),
+        else upstream's fused path (GPU), else `kv_injection.inject` per layer."""
+        stacked = self._stacked_injection
+        if stacked is not None:
+            weights, inject = stacked
             with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
-                return kv_inject.inject_committed(
+                return inject(
                     self.draft_model,
-                    self._stacked_kv,
+                    weights,
                     self.draft_model_runner.token_to_kv_pool,
                     target_hidden[: cache_loc.numel()],
                     positions,

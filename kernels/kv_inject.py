@@ -1,14 +1,15 @@
 """KV injection in Triton: k_norm, RoPE and the paged K/V write of every draft layer at once.
 
-The torch twin is `kv_injection.inject` on the committed rows (`inject_committed_reference`).
-Here the fused context (`fc` + `hidden_norm`, once, as there) goes through one GEMM against
-every layer's K/V weights stacked, then one program per (request, block slot, layer) applies
-that layer's `k_norm` (RMSNorm), neox (rotate-half) RoPE from the layer's own
-`rotary_emb.cos_sin_cache` at the row's absolute position, the drafter's value scale, and
-stores K and V straight into the pool at the row's slot. Programs for slots >= commit_len
-return at once: rejected rows are never written, and neither is any slot not listed in
-`cache_loc` (other requests' rows, radix-hit prefixes). Upstream's fused path instead norms
-and ropes every row of every layer into a workspace, then launches one masked write per layer.
+The torch twins are `kv_injection.inject` on the committed rows (`inject_committed_reference`)
+and `kv_injection.inject_stacked` (CPU). Here the fused context (`fc` + `hidden_norm`, once,
+as there) goes through one GEMM against every layer's K/V weights stacked, then one program
+per (request, block slot, layer) applies that layer's `k_norm` (RMSNorm), neox (rotate-half)
+RoPE from the layer's own `rotary_emb.cos_sin_cache` at the row's absolute position, the
+drafter's value scale, and stores K and V straight into the pool at the row's slot. Programs
+for slots >= commit_len return at once: rejected rows are never written, and neither is any
+slot not listed in `cache_loc` (other requests' rows, radix-hit prefixes). Upstream's fused
+path instead norms and ropes every row of every layer into a workspace, then launches one
+masked write per layer.
 
 `MHATokenToKVPool` allocates each layer's K and V separately, so no stride links layers; the
 kernel indexes the pool's own base-pointer tables (`k_data_ptrs`/`v_data_ptrs`, uint64) and
@@ -17,124 +18,16 @@ casts the entry to a typed pointer, which works compiled and under TRITON_INTERP
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.speculative.dflash_utils import can_dflash_use_fused_qkv_proj
 
 from dflash_sglang import kv_injection
+from dflash_sglang.kv_injection import POOL_DTYPES, StackedKV
 
-_POOL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@dataclass(frozen=True)
-class StackedKV:
-    """What the fused path reads per layer, built once per (re)loaded draft model.
-
-    `weight` copies every layer's K/V projection (L * 2 * kv_size rows): the price of one
-    GEMM instead of L.
-    """
-
-    weight: torch.Tensor  # [L * 2 * kv_size, hidden]: layer 0 K, layer 0 V, layer 1 K, ...
-    k_norm_weight: torch.Tensor  # [L, head_dim]
-    k_norm_eps: torch.Tensor  # [L] float32
-    v_scale: torch.Tensor  # [L] float32, the drafter's value scale (1 when it has none)
-    rotary_emb: torch.nn.Module  # layer 0's; cos_sin_cache is read per call (it can grow)
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    first_layer: int  # pool layer id of draft layer 0; draft layers are consecutive
-
-
-def _unit(scale) -> bool:
-    return scale is None or math.isclose(float(scale), 1.0)
-
-
-def _model_reason(draft_model) -> str:
-    if not getattr(draft_model, "supports_fused_context_kv", False):
-        return "draft model does not declare supports_fused_context_kv"
-    first = draft_model.layers[0].self_attn
-    for i, layer in enumerate(draft_model.layers):
-        attn = layer.self_attn
-        ok, reason = can_dflash_use_fused_qkv_proj(attn.qkv_proj)
-        if not ok:
-            return f"layer {i}: {reason}"
-        rope = attn.rotary_emb
-        if type(rope).forward_native is not RotaryEmbedding.forward_native:
-            return f"layer {i}: RoPE {type(rope).__name__} is not a cos_sin_cache lookup"
-        if not rope.is_neox_style or hasattr(rope, "sin_cos_cache"):
-            return f"layer {i}: only neox RoPE from cos_sin_cache is fused"
-        if (attn.num_kv_heads, attn.head_dim, rope.rotary_dim) != (
-            first.num_kv_heads,
-            first.head_dim,
-            first.rotary_emb.rotary_dim,
-        ):
-            return f"layer {i}: heads, head_dim or rotary_dim differ from layer 0"
-        if attn.attn.layer_id != first.attn.layer_id + i:
-            return "draft layer ids are not consecutive"
-        if not (_unit(attn.attn.k_scale) and _unit(attn.attn.v_scale)):
-            return f"layer {i}: non-unit KV cache scales"
-    return ""
-
-
-def _pool_reason(draft_model, kv_pool) -> str:
-    attn = draft_model.layers[0].self_attn
-    if type(kv_pool) is not MHATokenToKVPool:
-        return f"pool {type(kv_pool).__name__} is not a plain MHATokenToKVPool"
-    if kv_pool.is_quantized_kv_cache or kv_pool.store_dtype != kv_pool.dtype:
-        return "quantized KV cache"
-    if kv_pool.dtype not in _POOL_DTYPES or kv_pool.kv_cache_layout != "nhd":
-        return f"pool dtype {kv_pool.dtype} / layout {kv_pool.kv_cache_layout} not supported"
-    if (kv_pool.head_num, kv_pool.head_dim, kv_pool.v_head_dim) != (
-        attn.num_kv_heads,
-        attn.head_dim,
-        attn.head_dim,
-    ):
-        return "pool head shape differs from the draft's"
-    first = attn.attn.layer_id - kv_pool.start_layer
-    buffers = kv_pool.k_buffer[first : first + len(draft_model.layers)]
-    buffers += kv_pool.v_buffer[first : first + len(draft_model.layers)]
-    if any(b.stride() != buffers[0].stride() for b in buffers) or buffers[0].stride(2) != 1:
-        return "pool layers do not share one [slot, head, dim] stride"
-    return ""
-
-
-def can_fuse(draft_model, kv_pool) -> tuple[bool, str]:
-    """Whether `inject_committed` computes what `kv_injection.inject` does, and if not why."""
-    reason = _model_reason(draft_model) or _pool_reason(draft_model, kv_pool)
-    return not reason, reason
-
-
-def stack_kv_weights(draft_model) -> StackedKV:
-    """Stack the per-layer weights the fused path needs (call once, after `can_fuse`)."""
-    attns = [layer.self_attn for layer in draft_model.layers]
-    first = attns[0]
-    device = first.k_norm.weight.device
-    return StackedKV(
-        weight=torch.cat(
-            [a.qkv_proj.weight[a.q_size : a.q_size + 2 * a.kv_size] for a in attns]
-        ).contiguous(),
-        k_norm_weight=torch.stack([a.k_norm.weight for a in attns]).contiguous(),
-        k_norm_eps=torch.tensor(
-            [a.k_norm.variance_epsilon for a in attns], dtype=torch.float32, device=device
-        ),
-        v_scale=torch.tensor(
-            [1.0 if a.v_scale is None else a.v_scale for a in attns],
-            dtype=torch.float32,
-            device=device,
-        ),
-        rotary_emb=first.rotary_emb,
-        num_kv_heads=first.num_kv_heads,
-        head_dim=first.head_dim,
-        rotary_dim=first.rotary_emb.rotary_dim,
-        first_layer=first.attn.layer_id,
-    )
+# Triton's name for each pool dtype `kv_injection.can_stack` accepts.
+_POOL_DTYPES = {dtype: getattr(tl, str(dtype).removeprefix("torch.")) for dtype in POOL_DTYPES}
 
 
 @triton.jit
@@ -217,8 +110,8 @@ def inject_committed(
 
     With `commit_lens` `[bs]` the rows are bs blocks of n/bs and only the first
     `commit_lens[i]` rows of block i are written (verify); without it every row is (prefill).
-    The caller has checked `can_fuse(draft_model, kv_pool)`, and positions lie inside the
-    rotary cos_sin_cache (as `kv_injection.inject` needs too).
+    The caller has checked `kv_injection.can_stack(draft_model, kv_pool)`, and positions lie
+    inside the rotary cos_sin_cache (as `kv_injection.inject` needs too).
     """
     _check_rows(target_hidden, positions, cache_loc, commit_lens)
     n = cache_loc.shape[0]

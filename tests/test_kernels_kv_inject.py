@@ -1,11 +1,12 @@
-"""`kernels.kv_inject` against `kv_injection.inject` on SGLang's own draft model and KV pool.
+"""The stacked injections — `kernels.kv_inject` (Triton) and `kv_injection.inject_stacked`
+(torch, CPU serving) — against `kv_injection.inject` on SGLang's own draft model and KV pool.
 
 The draft is upstream's `DFlashDraftModel` with random weights, built inside a private
 runtime context (tp=1); the pool is a real `MHATokenToKVPool` filled with noise (both from
 `tests.draft_kv`). After the fused path, committed slots must match the torch path and
 every other slot must be bit-identical to before. The `check_*` bodies take the device
 first and run where the `kernel_runner` fixture sends them: interpreted on CPU, or
-compiled on CUDA with DFLASH_KERNEL_DEVICE=cuda.
+compiled on CUDA with DFLASH_KERNEL_DEVICE=cuda; the torch form runs in this process.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def make_draft(variant: str, dtype: torch.dtype, device: torch.device) -> DFlash
     return random_draft(config, dtype, device)
 
 
+@pytest.fixture(params=["triton", "torch"])
+def run_stacked(request):
+    """Run a `check_injected` case with the Triton kernel (where `kernel_runner` sends it) or
+    with its torch form, in this process on CPU."""
+    if request.param == "triton":
+        return request.getfixturevalue("kernel_runner")
+    return lambda fn, *args: fn(torch.device("cpu"), *args, "torch")
+
+
 def make_pool(dtype: torch.dtype, seed: int, device: torch.device) -> MHATokenToKVPool:
     return random_pool(POOL_SLOTS, dtype, KV_HEADS, HEAD_DIM, LAYERS, device, seed)
 
@@ -81,10 +91,20 @@ def make_rows(bs: int, block: int, seed: int):
     return hidden, positions, cache_loc, commit_lens
 
 
+def stacked_injection(impl: str):
+    return {"triton": kv_inject.inject_committed, "torch": kv_injection.inject_stacked}[impl]
+
+
 def check_injected(
-    device: torch.device, variant: str, dtype_name: str, rows, commit_lens, block: int
+    device: torch.device,
+    variant: str,
+    dtype_name: str,
+    rows,
+    commit_lens,
+    block: int,
+    impl: str = "triton",
 ) -> None:
-    """Fused vs torch injection into two identical pools."""
+    """Stacked vs per-layer injection into two identical pools."""
     dtype = DTYPES[dtype_name]
     model = make_draft(variant, dtype, device)
     hidden, positions, cache_loc = (t.to(device) for t in rows)
@@ -94,13 +114,14 @@ def check_injected(
     reference, fused = make_pool(dtype, 0, device), make_pool(dtype, 0, device)
     before = [b.clone() for b in buffers(fused)]
     with use_context(runtime()), torch.inference_mode():
-        ok, reason = kv_inject.can_fuse(model, fused)
+        ok, reason = kv_injection.can_stack(model, fused)
         assert ok, reason
         kv_inject.inject_committed_reference(
             model, reference, hidden, positions, cache_loc, commit_lens
         )
-        stacked = kv_inject.stack_kv_weights(model)
-        kv_inject.inject_committed(model, stacked, fused, hidden, positions, cache_loc, commit_lens)
+        stacked = kv_injection.stack_kv_weights(model)
+        inject = stacked_injection(impl)
+        inject(model, stacked, fused, hidden, positions, cache_loc, commit_lens)
     if commit_lens is None:
         written = cache_loc
     else:
@@ -123,31 +144,31 @@ def check_injected(
 @pytest.mark.parametrize(
     "bs, block, seed", [(1, 1, 0), (3, 4, 1), (5, 8, 2), (2, 16, 3), (6, 16, 4)]
 )
-def test_committed_rows_match_torch(kernel_runner, variant, dtype, bs, block, seed):
+def test_committed_rows_match_torch(run_stacked, variant, dtype, bs, block, seed):
     hidden, positions, cache_loc, commit_lens = make_rows(bs, block, seed)
     rows = (hidden, positions, cache_loc)
-    kernel_runner(check_injected, variant, dtype, rows, commit_lens, block)
+    run_stacked(check_injected, variant, dtype, rows, commit_lens, block)
 
 
-def test_every_commit_length(kernel_runner):
+def test_every_commit_length(run_stacked):
     """One request per commit length 0..B in one batch."""
     block = 8
     hidden, positions, cache_loc, _ = make_rows(block + 1, block, seed=5)
     commit_lens = torch.arange(block + 1, dtype=torch.int32)
     rows = (hidden, positions, cache_loc)
-    kernel_runner(check_injected, "qwen3", "fp32", rows, commit_lens, block)
+    run_stacked(check_injected, "qwen3", "fp32", rows, commit_lens, block)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_prefill_writes_every_row(kernel_runner, dtype):
+def test_prefill_writes_every_row(run_stacked, dtype):
     hidden, positions, cache_loc, _ = make_rows(1, 37, seed=6)
     rows = (hidden, positions, cache_loc)
-    kernel_runner(check_injected, "partial_rope_vscale", dtype, rows, None, 37)
+    run_stacked(check_injected, "partial_rope_vscale", dtype, rows, None, 37)
 
 
 def check_can_fuse_explains_a_mismatched_pool(device: torch.device) -> None:
     pool = random_pool(8, torch.float32, KV_HEADS, 2 * HEAD_DIM, LAYERS, device, seed=0)
-    verdict = kv_inject.can_fuse(make_draft("qwen3", torch.float32, device), pool)
+    verdict = kv_injection.can_stack(make_draft("qwen3", torch.float32, device), pool)
     assert verdict == (False, "pool head shape differs from the draft's"), verdict
 
 
@@ -158,7 +179,7 @@ def test_can_fuse_explains_a_mismatched_pool(kernel_runner):
 def check_rows_are_validated(device: torch.device) -> None:
     hidden, positions, cache_loc, commit_lens = (t.to(device) for t in make_rows(2, 4, seed=8))
     model = make_draft("qwen3", torch.float32, device)
-    stacked = kv_inject.stack_kv_weights(model)
+    stacked = kv_injection.stack_kv_weights(model)
     pool = make_pool(torch.float32, 0, device)
     with pytest.raises(ValueError, match="commit_lens"):
         kv_inject.inject_committed(
