@@ -12,7 +12,7 @@ neighbouring drafting width runs instead, and an explored step that accepted mor
 predicted is explored again on the next pick, so a drafter that starts hitting again is
 measured in a burst of steps (an EMA moves little per step) rather than one per
 `explore_every`; one that keeps missing costs a single step per period. Exploration only
-spends an earned budget: its extra predicted time stays under `explore_budget` (2%) of the
+spends an earned budget: its extra predicted time stays under `explore_budget` (1%) of the
 time of the steps it chose to exploit.
 
 Expected emitted tokens for request r at width w (notation of `adaptive`):
@@ -91,7 +91,7 @@ class Planner:
         hysteresis: float = 0.05,
         explore_every: int = 50,
         prefer_suffix: bool = False,
-        explore_budget: float = 0.02,
+        explore_budget: float = 0.01,
     ) -> None:
         if not widths or min(widths) < 1 or max(widths) > block_size:
             raise ValueError(f"widths must lie in [1, {block_size}], got {list(widths)}")

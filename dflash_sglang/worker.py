@@ -25,6 +25,7 @@ from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.mem_cache.kv_index_translator import KVLocPlan
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -57,6 +58,17 @@ from dflash_sglang.proposals import Planner, StepPlan
 from dflash_sglang.suffix import SuffixIndex, SuffixProposal
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockSlots:
+    """Where `width` tokens past each request's prefix go: absolute positions `[bs*w]`,
+    target KV slots `[bs*w]` and the target/draft KV-location plan."""
+
+    positions: torch.Tensor
+    cache_loc: torch.Tensor
+    kv_loc_plan: KVLocPlan
+    width: int
 
 
 @dataclass(frozen=True)
@@ -162,72 +174,59 @@ class DFlashXWorker(DFlashWorkerV2):
     def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
         draft_input: DFlashDraftInputV2 = batch.spec_info
         self.platform.adopt_tensor(batch.seq_lens)  # carried over from the last iteration
-        bs = len(batch.seq_lens)
         prefix_lens = batch.seq_lens
         host_lens = self._host_prefix_lens(batch, draft_input)
         start = self._observe_step_start()
         plan = self.plan_step(batch, host_lens)
-        self._last_step = (plan, bs, start)
-        width = plan.width
+        self._last_step = (plan, len(host_lens), start)
 
-        # --- 1) Propose: the DFlash block (drafted at full width, its graphs unchanged) when
-        # any request takes it; suffix proposals replace rows of requests that take them.
+        # 1) Propose; 2) verify the first `width` tokens in one causal target forward;
+        # 3) accept the longest matching prefix plus the target's bonus token.
         t0 = time.perf_counter()
-        if plan.run_draft:
-            drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
-        else:
-            drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
-        candidates = assemble_candidates(drafts, plan.suffix, width, int(self._mask_token_id))
+        candidates = self.propose(batch, draft_input, plan, prefix_lens, host_lens)
         t1 = time.perf_counter()
-
-        # --- 2) Verify the first `width` tokens: one causal target forward. The grammar tree
-        # is built first so grammar work overlaps the verify forward.
-        positions, cache_loc, kv_loc_plan = self._block_slots(batch, prefix_lens, host_lens, width)
-        grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
+        slots = self._block_slots(batch, prefix_lens, host_lens, plan.width)
         logits_output, target_predict, can_run_cuda_graph = self.verify(
-            batch, candidates, positions, cache_loc, kv_loc_plan, host_lens + width
+            batch, candidates, slots, host_lens + plan.width, grammar_barrier
         )
-        if grammar_tree is not None:
-            build_grammar_vocab_mask(
-                reqs=batch.reqs,
-                tree=grammar_tree,
-                sampling_info=batch.sampling_info,
-                device=logits_output.next_token_logits.device,
-                barrier=grammar_barrier,
-            ).apply(logits_output.next_token_logits)
-
-        # --- 3) Accept the longest matching prefix plus the target's bonus token.
-        accepted = self.accept(
-            candidates, logits_output.next_token_logits, batch, draft_input, target_predict
-        )
+        logits = logits_output.next_token_logits
+        accepted = self.accept(candidates, logits, batch, draft_input, target_predict)
         t2 = time.perf_counter()
+        next_token_ids = accepted.out_tokens.reshape(-1)
         if batch.return_logprob:
-            compute_spec_logprobs(
-                batch, logits_output, accepted.out_tokens.reshape(-1), chain_stride=width
-            )
+            compute_spec_logprobs(batch, logits_output, next_token_ids, chain_stride=plan.width)
         new_seq_lens = prefix_lens + accepted.commit_lens.to(prefix_lens.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        # --- 4) Inject the committed tokens' target features into the draft KV cache,
-        # whichever source proposed them, so the drafter can resume at any step.
-        self._inject_committed(logits_output, kv_loc_plan, positions, accepted, bs, width)
+        # 4) Inject the committed tokens' target features into the draft KV cache, whichever
+        # source proposed them, so the drafter can resume at any step.
+        self._inject_committed(logits_output, slots, accepted.commit_lens)
         self._pending_plans.append(plan)
         record = StepRecord(plan, accepted.accept_lens, t1 - t0, t2 - t1)
         for observe in self.step_observers:
             observe(record)
-
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=accepted.out_tokens.reshape(-1),
+            next_token_ids=next_token_ids,
             accept_lens=accepted.commit_lens,
             can_run_cuda_graph=can_run_cuda_graph,
             next_draft_input=make_draft_input_v2(
                 bonus_tokens=accepted.bonus, new_seq_lens=new_seq_lens
             ),
-            speculative_num_draft_tokens=width,
+            speculative_num_draft_tokens=plan.width,
             new_seq_lens=new_seq_lens,
         )
+
+    def propose(self, batch, draft_input, plan: StepPlan, prefix_lens, host_lens) -> torch.Tensor:
+        """`[bs, width]` = anchor + proposal per request: the DFlash block (drafted at full
+        width, its graphs unchanged) when any request takes it; suffix proposals replace
+        the rows of requests that take them."""
+        if plan.run_draft:
+            drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
+        else:
+            drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
+        return assemble_candidates(drafts, plan.suffix, plan.width, int(self._mask_token_id))
 
     # ---- seams ----------------------------------------------------------------------------
 
@@ -287,7 +286,7 @@ class DFlashXWorker(DFlashWorkerV2):
             if len(plan.suffix) == len(num_correct_drafts_per_req):
                 self.planner.observe(plan, num_correct_drafts_per_req)
 
-    def _block_slots(self, batch, prefix_lens, host_lens, width: int):
+    def _block_slots(self, batch, prefix_lens, host_lens, width: int) -> BlockSlots:
         """Positions, KV slots and the KV-location plan of `width` tokens past each prefix."""
         bs = prefix_lens.numel()
         cache_loc = assign_extend_cache_locs_func(
@@ -308,13 +307,13 @@ class DFlashXWorker(DFlashWorkerV2):
             write_virtual=cache_loc,
             read_extent=width,
         )
-        return positions, cache_loc, kv_loc_plan
+        return BlockSlots(positions, cache_loc, kv_loc_plan, width)
 
     def draft_block(self, batch, draft_input, prefix_lens, host_lens) -> torch.Tensor:
         """Run the drafter on `[bonus, MASK x (B-1)]`; return `[bs, B]` = anchor + proposals."""
         width = int(self.block_size)
         block_ids = build_draft_block(draft_input.bonus_tokens, width, int(self._mask_token_id))
-        positions, cache_loc, kv_loc_plan = self._block_slots(batch, prefix_lens, host_lens, width)
+        slots = self._block_slots(batch, prefix_lens, host_lens, width)
         bs = block_ids.shape[0]
         target_model = self.target_worker.model_runner.model
         if self._full_embed_gpu is not None:
@@ -332,10 +331,10 @@ class DFlashXWorker(DFlashWorkerV2):
             input_ids=block_ids.flatten(),
             req_pool_indices=batch.req_pool_indices,
             seq_lens=prefix_lens,
-            out_cache_loc=cache_loc,
+            out_cache_loc=slots.cache_loc,
             seq_lens_sum=int(seq_lens_cpu.sum()),
             seq_lens_cpu=seq_lens_cpu,
-            positions=positions,
+            positions=slots.positions,
             input_embeds=embeds.view(-1, embeds.shape[-1]),
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_block_spec_info,
@@ -348,7 +347,7 @@ class DFlashXWorker(DFlashWorkerV2):
             global_num_token_non_padded_cpu=bs * width,
             can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
         )
-        kv_loc_plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        slots.kv_loc_plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if self._draft_sampler is not None and draft_out.can_run_graph:
@@ -402,32 +401,43 @@ class DFlashXWorker(DFlashWorkerV2):
             self._draft_head = weight[self._draft_vocab]
         return self._draft_head, self._draft_vocab
 
-    def verify(self, batch, candidates, positions, cache_loc, kv_loc_plan, host_seq_lens):
+    def verify(self, batch, candidates, slots: BlockSlots, host_seq_lens, grammar_barrier=None):
         """Target forward over the chain, capturing the hidden states KV injection needs.
 
-        Returns the logits output, the target's argmax per row when it was taken without
-        the full logits (else None), and whether the forward ran in a CUDA graph.
-        `prepare_for_verify` rewrites the batch it is given, so it gets a shallow copy: the
-        caller's batch keeps its draft input, lengths and mode.
+        Returns the logits output (grammar-masked when the batch has grammars), the target's
+        argmax per row when it was taken without the full logits (else None), and whether
+        the forward ran in a CUDA graph. `prepare_for_verify` rewrites the batch it is
+        given, so it gets a shallow copy: the caller's batch keeps its draft input, lengths
+        and mode. The grammar tree is built first so grammar work overlaps the forward.
         """
         width = candidates.shape[1]
+        grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
         verify_input = DFlashVerifyInput(
             draft_token=candidates.reshape(-1),
-            positions=positions,
+            positions=slots.positions,
             draft_token_num=width,
             custom_mask=None,
             capture_hidden_mode=CaptureHiddenMode.FULL,
-            kv_loc_plan=kv_loc_plan,
+            kv_loc_plan=slots.kv_loc_plan,
         )
         view = copy.copy(batch)
-        view.out_cache_loc = cache_loc
+        view.out_cache_loc = slots.cache_loc
         view.seq_lens_cpu, view.seq_lens_sum = host_seq_lens, int(host_seq_lens.sum())
         forward_batch, _ = verify_input.prepare_for_verify(view, self.target_worker)
         out = self.target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
         )
-        target_predict = self._finish_verify_logits(batch, out.logits_output, width)
-        return out.logits_output, target_predict, out.can_run_cuda_graph
+        logits_output = out.logits_output
+        target_predict = self._finish_verify_logits(batch, logits_output, width)
+        if grammar_tree is not None:
+            build_grammar_vocab_mask(
+                reqs=batch.reqs,
+                tree=grammar_tree,
+                sampling_info=batch.sampling_info,
+                device=logits_output.next_token_logits.device,
+                barrier=grammar_barrier,
+            ).apply(logits_output.next_token_logits)
+        return logits_output, target_predict, out.can_run_cuda_graph
 
     def _finish_verify_logits(self, batch, logits_output, width: int) -> torch.Tensor | None:
         """Under TP the verify logits stay vocabulary shards until needed. A greedy batch
@@ -530,17 +540,18 @@ class DFlashXWorker(DFlashWorkerV2):
         coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
         return acceptance.sampled_accept(candidates, probs, coins, self._generator)
 
-    def _inject_committed(self, logits_output, kv_loc_plan, positions, accepted, bs, width):
+    def _inject_committed(self, logits_output, slots: BlockSlots, commit_lens: torch.Tensor):
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DFLASH_X verify returned no target hidden states")
-        draft_loc = self._draft_write_ids(kv_loc_plan)
+        bs, width = commit_lens.numel(), slots.width
+        draft_loc = self._draft_write_ids(slots.kv_loc_plan)
         self._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=hidden[: bs * width],
             cache_loc=draft_loc,
-            positions=positions,
+            positions=slots.positions,
             cache_loc_2d=draft_loc.view(bs, width),
-            commit_lens=accepted.commit_lens,
+            commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
 
