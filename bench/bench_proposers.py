@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from dflash_sglang.loadtest import server_metrics
 from dflash_sglang.managed_server import Server
-from dflash_sglang.metrics import ACCEPTED, DRAFTS, PLAIN_STEPS, STEPS, tau
+from dflash_sglang.metrics import ACCEPTED, DRAFTS, PLAIN_STEPS, STEP_WIDTH, STEPS, tau
 from dflash_sglang.proposals import SOURCES
 
 ARMS = {
@@ -120,7 +121,25 @@ def counts(deltas: dict[str, float]) -> dict:
         "tau_by_source": {s: tau(by_source(ACCEPTED, s), by_source(DRAFTS, s)) for s in SOURCES},
         "drafts_by_source": {s: by_source(DRAFTS, s) for s in SOURCES},
         "plain_step_share": total(deltas, PLAIN_STEPS) / steps if steps else None,
+        "width_share": width_shares(deltas),
     }
+
+
+def width_shares(deltas: dict[str, float]) -> dict[int, float]:
+    """Share of decode steps at each verify width, from the width histogram's buckets
+    (summed over label sets, e.g. one per scheduler process)."""
+    cumulative: dict[float, float] = {}
+    for key, value in deltas.items():
+        le = re.search(r'le="([^"]+)"', key)
+        if key.startswith(STEP_WIDTH + "_bucket{") and le and le.group(1) != "+Inf":
+            cumulative[float(le.group(1))] = cumulative.get(float(le.group(1)), 0.0) + value
+    steps = server_metrics.total(deltas, STEP_WIDTH + "_count")
+    shares, below = {}, 0.0
+    for width, count in sorted(cumulative.items()):
+        if count > below:
+            shares[int(width)] = round((count - below) / steps, 4)
+        below = count
+    return shares if steps else {}
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,7 +17,12 @@ sample is charged to the innermost phase it is in:
   metrics      our step observers and the exporters
   scheduler    everything else in the scheduler process: batching, result processing,
                streaming out, waiting for the tokenizer/detokenizer processes
-Output: the share of samples per phase and the mean step time (from the servers' counters).
+Output: the share of samples per phase, the mean step time (from the servers' counters), and
+`step_per_forward`: all samples over those inside the target model's forward
+(`ModelRunner.forward` within the verify phase). Arms run one after another, and this
+machine's speed drifts by tens of percent over minutes, so step times of different arms are
+not comparable; the same tokens through the same target forward cost the same within a
+run, so `step_per_forward` compares what each arm adds around that forward.
 """
 
 from __future__ import annotations
@@ -68,15 +73,23 @@ def phase_of(stack: str) -> str:
     return "scheduler"
 
 
+TARGET_FORWARD = "target forward"  # pseudo-phase: verify samples inside ModelRunner.forward
+
+
 def event_loop_phases(lines: list[str]) -> Counter[str]:
     """Phase counts of the scheduler's event-loop thread (`--threads` puts the thread first
-    in each stack); other threads (overlap workers, pools) are left out."""
+    in each stack); other threads (overlap workers, pools) are left out. Also counts, under
+    `TARGET_FORWARD`, the verify samples inside the model forward itself."""
     by_thread: dict[str, Counter[str]] = {}
     loop_samples: Counter[str] = Counter()
     for line in lines:
         stack, _, count = line.rpartition(" ")
         thread, _, frames = stack.partition(";")
-        by_thread.setdefault(thread, Counter())[phase_of(frames)] += int(count)
+        phase = phase_of(frames)
+        counts = by_thread.setdefault(thread, Counter())
+        counts[phase] += int(count)
+        if phase == "verify" and ";ModelRunner.forward (" in frames:
+            counts[TARGET_FORWARD] += int(count)
         if "Scheduler.run_event_loop" in frames:
             loop_samples[thread] += int(count)
     return by_thread[loop_samples.most_common(1)[0][0]]
@@ -111,6 +124,7 @@ def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dic
     for t in threads:
         t.join()
     samples = event_loop_phases(out.read_text().splitlines())
+    forward = samples.pop(TARGET_FORWARD, 0)
     total = sum(samples.values())
     tok_s = sum(n for t, n in done if start < t <= end) / (end - start)
     # A plain step emits one token per request in flight; DFLASH_X counts its steps.
@@ -121,6 +135,7 @@ def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dic
         "share": {k: v / total for k, v in sorted(samples.items())},
         "output_tok_s": tok_s,
         "ms_per_step": 1000 * (end - start) / steps if steps else None,
+        "step_per_forward": total / forward if forward else None,
     }
 
 
