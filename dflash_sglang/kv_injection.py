@@ -161,6 +161,13 @@ def stack_kv_weights(draft_model) -> StackedKV:
     )
 
 
+def stacked_kv_rows(draft_model, stacked: StackedKV, target_hidden: torch.Tensor) -> torch.Tensor:
+    """Every layer's pre-norm K and V of `target_hidden` `[n, K*H]`: `fc` + `hidden_norm`
+    once, then one GEMM, `[n, L * 2 * kv_size]` laid out as `StackedKV.weight`."""
+    ctx = draft_model.project_target_hidden(target_hidden)
+    return F.linear(ctx.to(stacked.weight.dtype), stacked.weight)
+
+
 def inject_stacked(
     draft_model,
     stacked: StackedKV,
@@ -183,8 +190,7 @@ def inject_stacked(
     if n == 0:
         return
     layers, heads, dim = stacked.k_norm_weight.shape[0], stacked.num_kv_heads, stacked.head_dim
-    ctx = draft_model.project_target_hidden(target_hidden)
-    kv = F.linear(ctx.to(stacked.weight.dtype), stacked.weight).view(n, layers, 2, heads, dim)
+    kv = stacked_kv_rows(draft_model, stacked, target_hidden).view(n, layers, 2, heads, dim)
     k, v = kv[:, :, 0].float(), kv[:, :, 1].float()
     # RMSNorm over head_dim with each layer's weight and epsilon: [n, L, heads, dim].
     eps = stacked.k_norm_eps.view(1, layers, 1, 1)

@@ -19,7 +19,6 @@ casts the entry to a typed pointer, which works compiled and under TRITON_INTERP
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -117,8 +116,7 @@ def inject_committed(
     n = cache_loc.shape[0]
     if n == 0:
         return
-    ctx = draft_model.project_target_hidden(target_hidden)
-    kv = F.linear(ctx.to(stacked.weight.dtype), stacked.weight)
+    kv = kv_injection.stacked_kv_rows(draft_model, stacked, target_hidden)
     groups, group_size = (
         (n, 1) if commit_lens is None else (commit_lens.numel(), n // commit_lens.numel())
     )
