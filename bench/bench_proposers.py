@@ -5,11 +5,15 @@
 
 All arms serve the embedded target (bf16, CPU) with the same drafter (default: the bundled
 one); each (level, set) sends the same held-out prompts to every arm, in `--rounds` slices
-the arms take turns on (order rotated per slice), so machine noise hits all arms alike. Arms:
+the arms take turns on (order rotated per slice), so machine noise hits all arms alike.
+No server sees a prompt twice (each level takes the next prompts of the set): a shared
+suffix index must not be credited for replaying an output it already holds. Arms:
   ar        --speculative-algorithm NONE
   dx        DFLASH_X as launched by default (adaptive width, suffix lookup on)
   adaptive  adaptive width, DFlash block only (--dflash-suffix off)
   fixed     the whole block every step, DFlash only (--dflash-adaptive off --dflash-suffix off)
+  shared    the default launch plus the shared lookup over finished outputs
+            (--dflash-suffix-shared 262144; it starts empty, as a fresh server's)
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
 """
 
@@ -34,6 +38,7 @@ ARMS = {
     "dx": [],
     "adaptive": ["--dflash-suffix", "off"],
     "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
+    "shared": ["--dflash-suffix-shared", "262144"],
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
@@ -190,7 +195,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
     sets = prompt_sets(
-        args.sets.split(","), tokenizer, args.prompts * max(levels), args.max_prompt_tokens
+        args.sets.split(","), tokenizer, args.prompts * sum(levels), args.max_prompt_tokens
     )
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
     common += ["--speculative-draft-model-path", draft]
@@ -199,15 +204,18 @@ def main() -> None:
     try:
         for arm in args.arms.split(","):
             servers[arm] = Server([*common, *ARMS[arm]], work / f"{arm}.log", args.threads)
-        for server in servers.values():  # warm-up, unmeasured
-            run(server, [sets[next(iter(sets))][0]], 1, 16)
+        warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
+        for server in servers.values():  # unmeasured
+            run(server, [warm_up], 1, 16)
+        offset = 0
         for c in levels:
             for name, prompts in sets.items():
-                batch = prompts[: args.prompts * c]
+                batch = prompts[offset : offset + args.prompts * c]
                 by_arm = interleaved(servers, batch, c, args.max_new_tokens, args.rounds)
                 for arm, totals in by_arm.items():
                     results.append({"concurrency": c, "set": name, "arm": arm} | totals)
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            offset += args.prompts * c
     finally:
         for server in servers.values():
             server.stop()
@@ -219,13 +227,14 @@ def main() -> None:
 
 def print_table(results: list[dict]) -> None:
     ar = {(r["concurrency"], r["set"]): r["tok_s"] for r in results if r["arm"] == "ar"}
-    print("| concurrency | set | arm | tok/s | × ar | τ | τ dflash | τ suffix | plain steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    columns = ["concurrency", "set", "arm", "tok/s", "× ar", "τ", "τ dflash", "τ suffix"]
+    print("| " + " | ".join([*columns, "τ shared", "plain steps"]) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = ar.get((r["concurrency"], r["set"]))
         ratio = f"{r['tok_s'] / base:.2f}" if base else "–"
         src = r["tau_by_source"]
-        cells = [r["tau"], src["dflash"], src["suffix"], r["plain_step_share"]]
+        cells = [r["tau"], src["dflash"], src["suffix"], src["shared"], r["plain_step_share"]]
         fmt = ["–" if v is None else f"{v:.2f}" for v in cells]
         print(
             f"| {r['concurrency']} | {r['set']} | {r['arm']} | {r['tok_s']:.1f} | {ratio} | "

@@ -25,6 +25,7 @@ class SpecOptions:
     suffix_always: bool = False  # take a suffix proposal whenever one exists
     suffix_max_match: int = 4
     suffix_max_proposal: int | None = None  # None: block size - 1
+    suffix_shared: int = 0  # tokens of recent outputs the shared lookup holds; 0: off
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
 
@@ -39,7 +40,10 @@ class SpecOptions:
         return min(self.suffix_max_proposal or block_size - 1, block_size - 1)
 
     def check(self, block_size: int) -> None:
-        """Errors that need the block size, which only the draft checkpoint knows."""
+        """Errors that need the block size, which only the draft checkpoint knows, and
+        flags that contradict each other."""
+        if self.suffix_shared and not self.suffix:
+            raise ValueError("--dflash-suffix-shared needs --dflash-suffix on (or always)")
         for w in self.widths or ():
             if w > block_size:
                 raise ValueError(f"--dflash-widths {w} exceeds the block size {block_size}")
@@ -56,6 +60,7 @@ class SpecOptions:
             ENV_PREFIX + "SUFFIX": "always" if self.suffix_always else _on_off(self.suffix),
             ENV_PREFIX + "SUFFIX_MAX_MATCH": str(self.suffix_max_match),
             ENV_PREFIX + "SUFFIX_MAX_PROPOSAL": str(self.suffix_max_proposal or ""),
+            ENV_PREFIX + "SUFFIX_SHARED": str(self.suffix_shared),
             ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
             ENV_PREFIX + "KERNELS": self.kernels,
         }
@@ -73,6 +78,7 @@ class SpecOptions:
             suffix_always=get("SUFFIX") == "always",
             suffix_max_match=int(get("SUFFIX_MAX_MATCH") or default.suffix_max_match),
             suffix_max_proposal=int(get("SUFFIX_MAX_PROPOSAL") or 0) or None,
+            suffix_shared=int(get("SUFFIX_SHARED") or default.suffix_shared),
             explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
             kernels=get("KERNELS") or default.kernels,
         )
@@ -111,6 +117,13 @@ def _positive(flag: str):
 
 def _non_negative(flag: str):
     return _at_least(flag, 0)
+
+
+def _shared_capacity(text: str) -> int:
+    value = _non_negative("--dflash-suffix-shared")(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("--dflash-suffix-shared must be 0 (off) or >= 2 tokens")
+    return value
 
 
 def _widths_arg(text: str) -> tuple[int, ...]:
@@ -155,6 +168,14 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         help="most tokens a suffix proposal offers (default: block size - 1)",
     )
     group.add_argument(
+        "--dflash-suffix-shared",
+        type=_shared_capacity,
+        default=0,
+        metavar="TOKENS",
+        help="also look suffixes up in the outputs of recently finished requests, holding "
+        "the last TOKENS/2 to TOKENS tokens (~180 bytes each; e.g. 262144); 0: off (default)",
+    )
+    group.add_argument(
         "--dflash-explore-every",
         type=_non_negative("--dflash-explore-every"),
         default=50,
@@ -178,6 +199,7 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         suffix_always=ns.dflash_suffix == "always",
         suffix_max_match=ns.dflash_suffix_max_match,
         suffix_max_proposal=ns.dflash_suffix_max_proposal,
+        suffix_shared=ns.dflash_suffix_shared,
         explore_every=ns.dflash_explore_every,
         kernels=ns.dflash_kernels,
     )

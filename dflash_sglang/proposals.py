@@ -1,11 +1,13 @@
 """Per step: which source proposes for each request, how wide the target verifies, and
 whether the draft forward runs at all.
 
-Two sources: the DFlash block (B-1 tokens from one drafter pass) and a suffix lookup over
-the request's own text (`suffix.SuffixIndex`, free). The planner scores every option
-(width w, draft on/off) by expected emitted tokens per second, each request taking the
-source it expects more from at that width, and keeps the current option unless another
-beats it by the hysteresis margin. Pure Python: the worker feeds it host-side counts.
+Sources: the DFlash block (B-1 tokens from one drafter pass) and a suffix lookup (free)
+over the request's own text (`suffix.SuffixIndex`) or, when enabled, over recent requests'
+outputs (`suffix.SharedSuffixIndex`); the two lookups keep separate statistics. The
+planner scores every option (width w, draft on/off) by expected emitted tokens per second,
+each request taking the source it expects more from at that width, and keeps the current
+option unless another beats it by the hysteresis margin. Pure Python: the worker feeds it
+host-side counts.
 
 Options it does not pick are measured by exploration: every `explore_every` picks a
 neighbouring drafting width runs instead, and an explored step that accepted more than
@@ -17,7 +19,7 @@ time of the steps it chose to exploit.
 
 Expected emitted tokens for request r at width w (notation of `adaptive`):
   E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs, S_suffix[m_r][:min(w-1, L_r)].sum())
-where m_r and L_r are the match length and length of r's suffix proposal.
+where m_r and L_r are the match length and length of r's suffix proposal (own or shared).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from dflash_sglang.adaptive import AcceptanceStats, CostModel
 from dflash_sglang.suffix import SuffixProposal
 
 DFLASH = "dflash"
-SUFFIX = "suffix"
-SOURCES = (DFLASH, SUFFIX)
+SUFFIX = "suffix"  # lookup over the request's own prompt and output
+SHARED = "shared"  # lookup over other requests' outputs
+SOURCES = (DFLASH, SUFFIX, SHARED)
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,13 @@ class StepPlan:
         if self.width == 1:
             return None
         if self.suffix[r] is not None:
-            return SUFFIX
+            return SHARED if self.suffix[r].shared else SUFFIX
         return DFLASH if self.run_draft else None
 
     def offered(self, r: int) -> int:
         """Proposal tokens of request r the target verifies."""
         source = self.source(r)
-        if source == SUFFIX:
+        if source in (SUFFIX, SHARED):
             return min(self.width - 1, len(self.suffix[r].tokens))
         return self.width - 1 if source == DFLASH else 0
 
@@ -99,7 +102,8 @@ class Planner:
         self.widths = tuple(sorted(set(widths)))
         self.cost = cost
         self.dflash = AcceptanceStats(block_size - 1)
-        self.suffix = [AcceptanceStats(block_size - 1) for _ in range(max_match)]
+        self.suffix = [AcceptanceStats(block_size - 1) for _ in range(max_match)]  # by match length
+        self.shared = [AcceptanceStats(block_size - 1) for _ in range(max_match)]
         self.hysteresis = hysteresis
         self.explore_every = explore_every
         self.explore_budget = explore_budget  # share of step time exploration may add
@@ -119,9 +123,12 @@ class Planner:
     def plan(self, proposals: Sequence[SuffixProposal | None]) -> StepPlan:
         bs = len(proposals)
         gain_dflash = [0.0, *accumulate(self.dflash.survival())]  # gain[n] = sum S[:n]
-        gains_suffix = [[0.0, *accumulate(s.survival())] for s in self.suffix]
+        gains = {
+            shared: [[0.0, *accumulate(s.survival())] for s in stats]
+            for shared, stats in ((False, self.suffix), (True, self.shared))
+        }
         suffix_gain = [
-            (gains_suffix[p.match_len - 1], len(p.tokens)) if p is not None else None
+            (gains[p.shared][p.match_len - 1], len(p.tokens)) if p is not None else None
             for p in proposals
         ]
 
@@ -206,12 +213,15 @@ class Planner:
             if offered == 0:
                 continue
             proposal = plan.suffix[r]
-            stats = self.suffix[proposal.match_len - 1] if proposal else self.dflash
+            stats = self.suffix_stats(proposal) if proposal else self.dflash
             n = min(n, offered)
             surprise += n - stats.expected_accepted(offered)
             stats.observe(n, offered)
         if plan.explored and surprise > 0.0:
             self._explore_again = _Option(plan.width, plan.width > 1)  # as `_neighbour` made it
+
+    def suffix_stats(self, proposal: SuffixProposal) -> AcceptanceStats:
+        return (self.shared if proposal.shared else self.suffix)[proposal.match_len - 1]
 
     def observe_seconds(self, plan: StepPlan, bs: int, seconds: float) -> None:
         drafted = bs * self.block_size if plan.run_draft else 0

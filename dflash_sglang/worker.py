@@ -55,7 +55,7 @@ from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
 from dflash_sglang.options import SpecOptions
 from dflash_sglang.proposals import Planner, StepPlan
-from dflash_sglang.suffix import SuffixIndex, SuffixProposal
+from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal, better
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,14 @@ class DFlashXWorker(DFlashWorkerV2):
         )
         # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._shared: SharedSuffixIndex | None = None
+        if self.options.suffix_shared:
+            self._shared = SharedSuffixIndex(
+                self.options.suffix_shared,
+                self.options.suffix_max_match,
+                self.options.max_proposal(self.block_size),
+            )
+        self._previous_reqs: list = []  # the last decode batch's requests (shared lookup)
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
@@ -251,6 +259,8 @@ class DFlashXWorker(DFlashWorkerV2):
         """
         if not self.options.suffix:
             return [None] * len(batch.reqs)
+        if self._shared is not None:
+            self._share_finished(batch.reqs)
         out = []
         for req, kv_len in zip(batch.reqs, host_lens.tolist(), strict=True):
             index = self._suffix_indexes.get(req)
@@ -263,9 +273,23 @@ class DFlashXWorker(DFlashWorkerV2):
             if done < len(prompt):
                 index.extend(prompt[done:])
             index.extend(req.output_ids[len(index) - len(prompt) :])
-            at_anchor = len(index) == kv_len + 1
-            out.append(index.propose() if at_anchor else None)
+            if len(index) != kv_len + 1:  # not at the anchor
+                out.append(None)
+                continue
+            proposal = index.propose()
+            if self._shared is not None:
+                proposal = better(proposal, self._shared.propose(index.tail(index.max_match)))
+            out.append(proposal)
         return out
+
+    def _share_finished(self, reqs) -> None:
+        """Outputs of requests that left the batch finished join the shared index, in batch
+        order: every TP rank sees the same batches, so every rank's index is the same."""
+        present = {id(req) for req in reqs}
+        for req in self._previous_reqs:
+            if id(req) not in present and req.finished():
+                self._shared.add(req.origin_input_ids, req.output_ids)
+        self._previous_reqs = list(reqs)
 
     def _observe_step_start(self) -> float:
         """Step cost for the planner: from one decode step's start to the next, scheduler

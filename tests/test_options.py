@@ -35,6 +35,7 @@ def test_flags_round_trip_through_the_environment():
         "--dflash-suffix=off",
         "--dflash-suffix-max-match=3",
         "--dflash-suffix-max-proposal=5",
+        "--dflash-suffix-shared=4096",
         "--dflash-explore-every=0",
     )
     assert SpecOptions.from_env(opts.to_env()) == opts
@@ -65,6 +66,8 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-widths", "a"], "--dflash-widths takes comma-separated integers"),
         (["--dflash-suffix-max-proposal", "-1"], "--dflash-suffix-max-proposal must be >= 1"),
         (["--dflash-explore-every", "-1"], "--dflash-explore-every must be >= 0"),
+        (["--dflash-suffix-shared", "1"], "--dflash-suffix-shared must be 0 (off) or >= 2"),
+        (["--dflash-suffix-shared", "x"], "--dflash-suffix-shared takes an integer"),
         (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),
     ],
 )
@@ -80,3 +83,11 @@ def test_checks_against_the_block_size_name_the_flag():
     with pytest.raises(ValueError, match="--dflash-suffix-max-proposal 16 exceeds"):
         _parse("--dflash-suffix-max-proposal", "16").check(16)
     _parse("--dflash-widths", "1,16", "--dflash-suffix-max-proposal", "15").check(16)
+
+
+def test_shared_lookup_is_off_by_default_and_needs_the_suffix_source():
+    assert _parse().suffix_shared == 0
+    assert _parse("--dflash-suffix-shared", "262144").suffix_shared == 262144
+    with pytest.raises(ValueError, match="--dflash-suffix-shared needs --dflash-suffix on"):
+        _parse("--dflash-suffix", "off", "--dflash-suffix-shared", "4096").check(16)
+    _parse("--dflash-suffix", "always", "--dflash-suffix-shared", "4096").check(16)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
-from dflash_sglang.proposals import DFLASH, SUFFIX, Planner, StepPlan, _Option
+from dflash_sglang.proposals import DFLASH, SHARED, SUFFIX, Planner, StepPlan, _Option
 from dflash_sglang.suffix import SuffixProposal
 
 BLOCK = 16
@@ -190,6 +190,25 @@ def test_observe_credits_each_source_and_match_length():
     assert planner.suffix[1].rates[:3] == pytest.approx([0.75] * 3)  # accepted 3 of 3
     assert planner.suffix[3].rates[0] == pytest.approx(0.25)  # rejected at slot 0
     assert planner.dflash.rates[:7] == pytest.approx([0.75] * 7)
+
+
+def test_shared_proposals_keep_their_own_statistics_and_source():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    shared = SuffixProposal((1, 2, 3), 2, 1, shared=True)
+    plan = StepPlan(8, False, (shared, _proposal(3, match_len=2)), 0.1)
+    assert [plan.source(r) for r in range(2)] == [SHARED, SUFFIX]
+    assert [plan.offered(r) for r in range(2)] == [3, 3]
+    planner.observe(plan, [3, 0])
+    assert [s.observations for s in planner.shared] == [0, 1, 0, 0]
+    assert [s.observations for s in planner.suffix] == [0, 1, 0, 0]
+    assert planner.shared[1].rates[0] == pytest.approx(0.75)
+    assert planner.suffix[1].rates[0] == pytest.approx(0.25)
+    # Same match length, same length: the source that has been accepted is the one taken.
+    for _ in range(30):
+        planner.observe(plan, [3, 0])
+    picked = planner.plan([shared, _proposal(3, match_len=2)])
+    assert picked.width > 1 and picked.suffix[0] is shared
+    assert picked.offered(0) == 3
 
 
 def test_observe_ignores_requests_that_verified_nothing():

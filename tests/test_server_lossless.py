@@ -175,8 +175,9 @@ REPETITIVE = [" ".join([SHORT[i]] * 4) for i in range(4)]
 
 @pytest.fixture(scope="module")
 def variants(models, servers, tmp_path_factory):
-    """DFLASH_X pinned to plain decoding (width 1), and with suffix proposals taken whenever
-    one exists while the width changes every other step (exploration every 2 steps)."""
+    """DFLASH_X pinned to plain decoding (width 1), and with suffix proposals (own text and
+    finished requests' outputs) taken whenever one exists while the width changes every
+    other step (exploration every 2 steps)."""
     logs = tmp_path_factory.mktemp("variant_logs")
     common = ["--model-path", str(models["target"]), "--dtype", "float32"]
     common += ["--max-total-tokens", POOL_TOKENS, "--speculative-draft-model-path"]
@@ -185,7 +186,7 @@ def variants(models, servers, tmp_path_factory):
     try:
         mixed = Server(
             [*common, "--dflash-suffix", "always", "--dflash-widths", "1,2,3,4"]
-            + ["--dflash-explore-every", "2"],
+            + ["--dflash-explore-every", "2", "--dflash-suffix-shared", "4096"],
             logs / "mixed.log",
         )
     except Exception:
@@ -234,6 +235,22 @@ def test_suffix_proposals_and_changing_widths_are_lossless(servers, variants):
     ]
     steps_at = [b - a for a, b in zip([0.0, *buckets[:-1]], buckets, strict=True)]
     assert sum(1 for n in steps_at if n > 0) >= 3, f"steps per width 1..4: {steps_at}"
+
+
+def test_shared_lookup_proposes_finished_outputs_losslessly(servers, variants):
+    ar, _ = servers
+    mixed = variants["mixed"]
+    text = SHORT[12]
+    expected = _ids(ar, text)
+    before = server_metrics.scrape(mixed.url)
+    for _ in range(3):  # from the second on, the first output is in the shared index
+        assert _ids(mixed, text) == expected
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(mixed.url))
+    shared = {"source": "shared"}
+    assert deltas.get(server_metrics.sample_key("dflash_num_drafts_total", shared), 0) > 0
+    assert deltas.get(server_metrics.sample_key("dflash_num_accepted_tokens_total", shared), 0) > 0
+    stats = requests.get(f"{mixed.url}/dflash/stats", timeout=10).json()
+    assert stats["since_start"]["tau_by_source"]["shared"] > 1.0
 
 
 def test_suffix_proposals_keep_sampling_valid(variants):

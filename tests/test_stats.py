@@ -11,17 +11,21 @@ from dflash_sglang.server.stats import (
 )
 
 
-def _samples(drafts, accepted, per_pos, generated, steps=None, plain=0, suffix=(0, 0)):
-    """One scrape: `drafts`/`accepted` by the DFlash block, `suffix` = (drafts, accepted) by
-    suffix lookup, `plain` request-steps at width 1 (one request per step)."""
-    request_steps = drafts + suffix[0] + plain
+def _samples(
+    drafts, accepted, per_pos, generated, steps=None, plain=0, suffix=(0, 0), shared=(0, 0)
+):
+    """One scrape: `drafts`/`accepted` by the DFlash block, `suffix` and `shared` =
+    (drafts, accepted) by the own-text and shared lookups, `plain` request-steps at width 1
+    (one request per step)."""
+    request_steps = drafts + suffix[0] + shared[0] + plain
+    lookups = {"suffix": suffix, "shared": shared}
     return [
         ("dflash_num_drafts_total", {"source": "dflash"}, drafts),
-        ("dflash_num_drafts_total", {"source": "suffix"}, suffix[0]),
         ("dflash_num_draft_tokens_total", {"source": "dflash"}, drafts * 3),
-        ("dflash_num_draft_tokens_total", {"source": "suffix"}, suffix[0] * 3),
         ("dflash_num_accepted_tokens_total", {"source": "dflash"}, accepted),
-        ("dflash_num_accepted_tokens_total", {"source": "suffix"}, suffix[1]),
+        *[("dflash_num_drafts_total", {"source": k}, v[0]) for k, v in lookups.items()],
+        *[("dflash_num_draft_tokens_total", {"source": k}, v[0] * 3) for k, v in lookups.items()],
+        *[("dflash_num_accepted_tokens_total", {"source": k}, v[1]) for k, v in lookups.items()],
         *[
             ("dflash_num_accepted_tokens_per_pos_total", {"position": str(k)}, v)
             for k, v in enumerate(per_pos)
@@ -29,7 +33,7 @@ def _samples(drafts, accepted, per_pos, generated, steps=None, plain=0, suffix=(
         ("dflash_num_request_steps_total", {}, request_steps),
         ("dflash_num_steps_total", {}, request_steps if steps is None else steps),
         ("dflash_num_plain_steps_total", {}, plain),
-        ("dflash_step_verify_width_sum", {}, 4.0 * (drafts + suffix[0]) + plain),
+        ("dflash_step_verify_width_sum", {}, 4.0 * (drafts + suffix[0] + shared[0]) + plain),
         ("dflash_step_verify_width_count", {}, request_steps if steps is None else steps),
         ("sglang:generation_tokens_total", {"model_name": "m"}, generated),
         ("dflash_verify_width", {}, 4.0),
@@ -55,16 +59,18 @@ def test_since_start_and_window():
 
 def test_tau_per_source_plain_steps_and_mean_width():
     old = snapshot_from_samples(_samples(10, 5, [5], 0), now=0.0)
-    new = snapshot_from_samples(_samples(20, 10, [12], 0, plain=10, suffix=(10, 20)), now=10.0)
+    new = snapshot_from_samples(
+        _samples(20, 10, [12], 0, plain=10, suffix=(10, 20), shared=(5, 5)), now=10.0
+    )
     window = summarize(new, old)
-    assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0}
-    assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10}
-    assert window["tau"] == pytest.approx(1 + 25 / 20)
-    # 30 steps: 20 at width 4, 10 at width 1 (speculation off).
-    assert window["mean_verify_width"] == pytest.approx(90 / 30)
-    assert window["speculation_off_share"] == pytest.approx(10 / 30)
+    assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0, "shared": 2.0}
+    assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10, "shared": 5}
+    assert window["tau"] == pytest.approx(1 + 30 / 25)
+    # 35 steps: 25 at width 4, 10 at width 1 (speculation off).
+    assert window["mean_verify_width"] == pytest.approx(110 / 35)
+    assert window["speculation_off_share"] == pytest.approx(10 / 35)
     # Every request-step emits its accepted tokens plus a bonus, width 1 included.
-    assert window["output_tokens_per_s"] == pytest.approx((30 + 25) / 10)
+    assert window["output_tokens_per_s"] == pytest.approx((35 + 30) / 10)
 
 
 def test_window_picks_the_latest_snapshot_far_enough_back():
@@ -79,7 +85,7 @@ def test_window_picks_the_latest_snapshot_far_enough_back():
 def test_nothing_drafted_gives_no_ratios():
     empty = summarize(Snapshot(time=1.0), None)
     assert empty["tau"] is None and empty["acceptance_rate"] is None
-    assert empty["tau_by_source"] == {"dflash": None, "suffix": None}
+    assert empty["tau_by_source"] == {"dflash": None, "suffix": None, "shared": None}
 
 
 def test_series_rates_between_recorded_snapshots():

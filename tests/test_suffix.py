@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from dflash_sglang.suffix import SuffixIndex, SuffixProposal, replay_tau
+from dflash_sglang.suffix import (
+    SharedSuffixIndex,
+    SuffixIndex,
+    SuffixProposal,
+    better,
+    replay_tau,
+)
 
 
 def indexed(tokens: list[int], max_match: int = 4, max_proposal: int = 15) -> SuffixIndex:
@@ -134,3 +140,71 @@ def test_replay_tau_without_repetition_is_one():
 def test_replay_tau_needs_output():
     with pytest.raises(ValueError, match="output"):
         replay_tau([1, 2], [])
+
+
+# --- the shared index over finished requests' outputs -----------------------------------
+
+
+def test_shared_proposes_what_followed_in_another_output_up_to_its_end():
+    shared = SharedSuffixIndex(capacity=100, max_match=2, max_proposal=5)
+    shared.add(context=[90, 91, 1], output=[2, 3, 4])
+    shared.add(context=[92, 7], output=[8, 9])
+    # (1, 2) is followed by 3, 4 and then the end of that document: no loop, no next doc.
+    assert shared.propose([5, 1, 2]) == SuffixProposal((3, 4), 2, 1, shared=True)
+    # The prompt's last max_match tokens are indexed: an output's opening is found.
+    assert shared.propose([91, 1]) == SuffixProposal((2, 3, 4), 2, 1, shared=True)
+    assert shared.propose([6, 7]) == SuffixProposal((8, 9), 1, 1, shared=True)
+    assert shared.propose([4]) is None  # ended its document: nothing followed it
+    assert shared.propose([9]) is None
+    assert shared.propose([90]) is None  # beyond the context tail kept (max_match = 2)
+    assert shared.num_documents == 2
+
+
+def test_shared_capacity_holds_the_most_recent_outputs():
+    shared = SharedSuffixIndex(capacity=40, max_match=1, max_proposal=3)
+    for doc in range(10):  # 6 tokens each with the separator: 3 per generation of 20
+        shared.add(context=[], output=[100 + doc, 200 + doc, 300, 400, 500])
+        assert len(shared) <= 40
+        assert shared.propose([100 + doc]) == SuffixProposal((200 + doc, 300, 400), 1, 1, True)
+    assert shared.propose([100 + 5]) is None  # two generations ago: dropped whole
+    assert shared.propose([100 + 6]) is not None
+    count = shared.propose([300]).count  # only the young generation's occurrences count
+    assert 1 <= count <= 3
+
+
+def test_shared_prefers_the_longer_match_then_the_younger_generation():
+    shared = SharedSuffixIndex(capacity=16, max_match=3, max_proposal=2)
+    shared.add([], [1, 2, 3, 4, 5])  # old generation after the next add
+    shared.add([], [2, 3, 7, 8])
+    assert shared.propose([1, 2, 3]) == SuffixProposal((4, 5), 3, 1, True)  # longer, old
+    assert shared.propose([9, 2, 3]) == SuffixProposal((7, 8), 2, 1, True)  # tie: young
+
+
+def test_shared_truncates_an_output_longer_than_half_its_capacity():
+    shared = SharedSuffixIndex(capacity=10, max_match=1, max_proposal=3)
+    shared.add([], list(range(100)))
+    assert len(shared) <= 10
+    assert shared.propose([98]) == SuffixProposal((99,), 1, 1, True)
+    assert shared.propose([5]) is None
+
+
+def test_shared_capacity_validation():
+    with pytest.raises(ValueError, match="capacity"):
+        SharedSuffixIndex(capacity=1)
+
+
+def test_better_takes_the_longer_match_and_the_own_text_on_ties():
+    own = SuffixProposal((1,), 2, 1)
+    assert better(own, SuffixProposal((2,), 3, 1, True)).shared
+    assert better(own, SuffixProposal((2,), 2, 5, True)) is own
+    assert better(None, SuffixProposal((2,), 1, 1, True)).shared
+    assert better(own, None) is own and better(None, None) is None
+
+
+def test_replay_with_a_shared_index_learns_from_earlier_outputs():
+    output = [11, 12, 13, 14, 15, 16, 17, 18]
+    shared = SharedSuffixIndex(capacity=1000)
+    assert replay_tau([1, 2, 3], output, shared=shared) == (1.0, 0.0)
+    shared.add([1, 2, 3], output)
+    # Second time: the prompt's tail finds the first output, accepted whole (+ no bonus left).
+    assert replay_tau([1, 2, 3], output, shared=shared) == (8.0, 1.0)
