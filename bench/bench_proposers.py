@@ -9,11 +9,13 @@ the arms take turns on (order rotated per slice), so machine noise hits all arms
 No server sees a prompt twice (each level takes the next prompts of the set): a shared
 suffix index must not be credited for replaying an output it already holds. Arms:
   ar        --speculative-algorithm NONE
-  dx        DFLASH_X as launched by default (adaptive width, suffix lookup on)
+  dx        DFLASH_X as launched by default (adaptive width, suffix lookup over the
+            request's own text and over finished requests' outputs)
   adaptive  adaptive width, DFlash block only (--dflash-suffix off)
   fixed     the whole block every step, DFlash only (--dflash-adaptive off --dflash-suffix off)
-  shared    the default launch plus the shared lookup over finished outputs
-            (--dflash-suffix-shared 262144; it starts empty, as a fresh server's)
+  own       the default launch without the shared lookup (--dflash-suffix-shared 0), the
+            default before it was measured (bench/proposers/shared_*.json, whose arm
+            "shared" is today's default)
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
 """
 
@@ -38,7 +40,7 @@ ARMS = {
     "dx": [],
     "adaptive": ["--dflash-suffix", "off"],
     "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
-    "shared": ["--dflash-suffix-shared", "262144"],
+    "own": ["--dflash-suffix-shared", "0"],
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],

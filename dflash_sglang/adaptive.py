@@ -12,25 +12,26 @@ Conventions (shared with `acceptance` and `metrics`):
 - Slot k (0-based) is the k-th proposal token. `c[k]` = P(slot k accepted | slots < k
   accepted), and the survival curve is S[k] = P(accepted > k) = prod_{j<=k} c[j], so
   E[emitted | w] = 1 + sum_{k < offered} S[k].
-- One step costs seconds ≈ θ · [1, bs, verify_tokens, draft_tokens] with
-  verify_tokens = bs*w and draft_tokens = bs*B when the draft forward runs, else 0.
+- One step costs seconds ≈ θ · [1, bs, verify_tokens] + φ · [1, draft_tokens] with
+  verify_tokens = bs*w and draft_tokens = bs*B when the draft forward runs (else no φ term).
 - The planner picks the width maximising sum_r E_r[emitted | w] / seconds(w, bs).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 # Step cost, seconds per [step, request, verified token, drafted token], as profiled for the
 # embedded SmolLM2 pair on a 2-core CPU (bench/profile_step.py: a plain step 115 ms at 1
 # request and 155 ms at 8, +1.6 ms per verified and +1.4 ms per drafted token); each server
-# replaces it with its own measurements within a few steps.
+# replaces it with its own measurements within a few steps. The draft forward's fixed cost
+# starts at 0 (its prior is the per-token cost alone).
 DEFAULT_CPU_PRIOR = (0.11, 0.005, 0.0016, 0.0014)
 
 _MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive
-_NUM_FEATURES = 4
-_VERIFY, _DRAFT = 2, 3  # feature indices of the coefficients constrained to >= 0
+_NUM_FEATURES = 4  # a prior is [step, request, verified token, drafted token]
 
 
 class AcceptanceStats:
@@ -108,21 +109,25 @@ class AcceptanceStats:
         return sum(self.survival()[:offered])
 
 
-def features(bs: int, verify_tokens: int, draft_tokens: int) -> list[float]:
-    return [1.0, float(bs), float(verify_tokens), float(draft_tokens)]
-
-
 class CostModel:
-    """Seconds of one step, θ · features, fitted online by least squares with forgetting.
+    """Seconds of one step = rest(bs, verified tokens) + draft(drafted tokens), each part
+    fitted online to its own measurement.
 
-    θ minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ |θ - prior|^2  (λ = `forgetting`,
-    δ = `prior_strength`) subject to θ_verify >= 0 and θ_draft >= 0. This is recursive least
-    squares in information form: the statistics G = sum λ^(n-i) x xᵀ and m = sum λ^(n-i) x y
-    are updated recursively and the 4x4 system re-solved. The ridge does not fade, so a
-    direction the data never excites (a width never tried) stays at the prior instead of
-    winding up. The constraint is part of the fit, not a clamp applied afterwards: clamping
-    an unconstrained fit would miss even the measured points, and no later measurement at
-    those points would correct it.
+    rest ≈ θ · [1, bs, verify_tokens] is fitted to the step's time minus its draft forward,
+    draft ≈ φ · [1, draft_tokens] (0 when the drafter does not run) to the draft forward's
+    own time, which the worker measures directly. One regression over the sum could not
+    tell them apart: at a fixed batch size the draft term is collinear with the width, and
+    from noisy step times and a few exploring steps it under-priced the drafter at one
+    request (DFLASH_X drafting at a loss, 0.89x plain decoding).
+
+    Each part minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ |θ - prior|^2  (λ = `forgetting`,
+    δ = `prior_strength`) with its per-token cost >= 0 (and the draft's fixed cost >= 0).
+    This is recursive least squares in information form: G = sum λ^(n-i) x xᵀ and
+    m = sum λ^(n-i) x y are updated recursively and the small system re-solved. The ridge
+    does not fade, so a direction the data never excites (a width never tried) stays at the
+    prior instead of winding up. The constraint is part of the fit, not a clamp applied
+    afterwards: clamping an unconstrained fit would miss even the measured points, and no
+    later measurement at those points would correct it.
     """
 
     def __init__(
@@ -134,52 +139,94 @@ class CostModel:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         if prior_strength <= 0.0:
             raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
-        self._prior = [float(c) for c in prior]
-        self._forgetting = forgetting
-        self._strength = prior_strength
-        self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
-        self._moment = [0.0] * _NUM_FEATURES
-        self._theta = self._fit()
+        fit = {"forgetting": forgetting, "strength": prior_strength}
+        self._rest = _LeastSquares(prior[:3], nonnegative=(2,), **fit)
+        self._draft = _LeastSquares((0.0, prior[3]), nonnegative=(0, 1), **fit)
 
     def predict(self, bs: int, verify_tokens: int, draft_tokens: int) -> float:
-        """Predicted seconds; non-decreasing in verify and draft tokens (θ_verify, θ_draft >= 0)."""
-        x = features(bs, verify_tokens, draft_tokens)
-        return max(_dot(self._theta, x), _MIN_SECONDS)
+        """Predicted seconds; non-decreasing in verify and draft tokens."""
+        seconds = self._rest.predict((1.0, bs, verify_tokens))
+        if draft_tokens:
+            seconds += self._draft.predict((1.0, draft_tokens))
+        return max(seconds, _MIN_SECONDS)
 
-    def observe(self, bs: int, verify_tokens: int, draft_tokens: int, seconds: float) -> None:
-        """One measured step: G <- λG + x xᵀ, m <- λm + x y, then re-fit θ."""
-        if not (math.isfinite(seconds) and seconds >= 0.0):
-            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-        x = features(bs, verify_tokens, draft_tokens)
+    def observe(
+        self,
+        bs: int,
+        verify_tokens: int,
+        draft_tokens: int,
+        seconds: float,
+        draft_seconds: float = 0.0,
+    ) -> None:
+        """One measured step of `seconds`, `draft_seconds` of them the draft forward (which
+        ran iff draft_tokens > 0)."""
+        for name, value in (("seconds", seconds), ("draft_seconds", draft_seconds)):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if draft_tokens:
+            self._draft.observe((1.0, draft_tokens), draft_seconds)
+        self._rest.observe((1.0, bs, verify_tokens), max(seconds - draft_seconds, 0.0))
+
+
+class _LeastSquares:
+    """Linear least squares with forgetting, a ridge towards a prior, and coefficients
+    constrained to >= 0 (see `CostModel`)."""
+
+    def __init__(
+        self,
+        prior: Sequence[float],
+        nonnegative: tuple[int, ...],
+        forgetting: float,
+        strength: float,
+    ):
+        n = len(prior)
+        self._prior = [float(c) for c in prior]
+        self._nonnegative = nonnegative
+        self._forgetting = forgetting
+        self._strength = strength
+        self._gram = [[0.0] * n for _ in range(n)]
+        self._moment = [0.0] * n
+        self._theta = self._fit()
+
+    def predict(self, x: Sequence[float]) -> float:
+        return _dot(self._theta, x)
+
+    def observe(self, x: Sequence[float], y: float) -> None:
+        """G <- λG + x xᵀ, m <- λm + x y, then re-fit θ."""
         lam = self._forgetting
         self._gram = [
             [lam * g + xi * xj for g, xj in zip(row, x, strict=True)]
             for row, xi in zip(self._gram, x, strict=True)
         ]
-        self._moment = [lam * m + xi * seconds for m, xi in zip(self._moment, x, strict=True)]
+        self._moment = [lam * m + xi * y for m, xi in zip(self._moment, x, strict=True)]
         self._theta = self._fit()
 
     def _fit(self) -> list[float]:
-        """argmin θᵀAθ - 2bᵀθ with A = G + δI, b = m + δ·prior, θ_verify, θ_draft >= 0.
+        """argmin θᵀAθ - 2bᵀθ with A = G + δI, b = m + δ·prior, θ_i >= 0 for constrained i.
 
         A is positive definite, so the constrained optimum is the unconstrained optimum on the
-        face of its active constraints: solve on each of the four faces, keep the best
-        feasible one (the face with both at zero is always feasible).
+        face of its active constraints: solve on every face, keep the best feasible one (the
+        face with all constrained coefficients at zero is always feasible).
         """
-        n, d = _NUM_FEATURES, self._strength
+        n, d = len(self._prior), self._strength
         a = [
             [g + (d if i == j else 0.0) for j, g in enumerate(row)]
             for i, row in enumerate(self._gram)
         ]
         b = [m + d * p for m, p in zip(self._moment, self._prior, strict=True)]
         best, best_obj = [0.0] * n, math.inf
-        for zeroed in ((), (_VERIFY,), (_DRAFT,), (_VERIFY, _DRAFT)):
+        faces = (
+            zeroed
+            for k in range(len(self._nonnegative) + 1)
+            for zeroed in itertools.combinations(self._nonnegative, k)
+        )
+        for zeroed in faces:
             free = [i for i in range(n) if i not in zeroed]
             sol = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
             theta = [0.0] * n
             for i, v in zip(free, sol, strict=True):
                 theta[i] = v
-            if theta[_VERIFY] < 0.0 or theta[_DRAFT] < 0.0:
+            if any(theta[i] < 0.0 for i in self._nonnegative):
                 continue
             obj = _dot(theta, [_dot(row, theta) for row in a]) - 2.0 * _dot(b, theta)
             if obj < best_obj:

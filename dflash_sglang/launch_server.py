@@ -275,7 +275,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
     args = resolve_args(sglang_args, device, default_target, default_draft)
     args = with_api_key_from(dict(os.environ), args)
-    options = spec_options.from_cli(ours)
+    try:
+        options = spec_options.from_cli(ours)
+    except ValueError as e:
+        raise LaunchError(str(e)) from e
     check_models(args, options)
     if on_cpu:
         args = with_cpu_kv_pool(args)

@@ -15,6 +15,8 @@ ENV_PREFIX = "DFLASH_SGLANG_"
 DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
 # Every step drafts and verifies the whole block: what measures a drafter's own τ.
 PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
+# Tokens of finished outputs the shared suffix lookup holds (~45 MB of n-gram table).
+DEFAULT_SHARED_TOKENS = 262144
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class SpecOptions:
     suffix_always: bool = False  # take a suffix proposal whenever one exists
     suffix_max_match: int = 4
     suffix_max_proposal: int | None = None  # None: block size - 1
-    suffix_shared: int = 0  # tokens of recent outputs the shared lookup holds; 0: off
+    suffix_shared: int = DEFAULT_SHARED_TOKENS  # recent outputs the shared lookup holds; 0: off
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
 
@@ -39,11 +41,13 @@ class SpecOptions:
     def max_proposal(self, block_size: int) -> int:
         return min(self.suffix_max_proposal or block_size - 1, block_size - 1)
 
+    @property
+    def shared_tokens(self) -> int:
+        """The shared lookup's size, 0 when off: it is part of the suffix source."""
+        return self.suffix_shared if self.suffix else 0
+
     def check(self, block_size: int) -> None:
-        """Errors that need the block size, which only the draft checkpoint knows, and
-        flags that contradict each other."""
-        if self.suffix_shared and not self.suffix:
-            raise ValueError("--dflash-suffix-shared needs --dflash-suffix on (or always)")
+        """Errors that need the block size, which only the draft checkpoint knows."""
         for w in self.widths or ():
             if w > block_size:
                 raise ValueError(f"--dflash-widths {w} exceeds the block size {block_size}")
@@ -126,6 +130,16 @@ def _shared_capacity(text: str) -> int:
     return value
 
 
+def _shared_tokens(value: int | None, suffix: str) -> int:
+    """The default follows --dflash-suffix; asking for the shared lookup without the suffix
+    source is a contradiction, not something to ignore."""
+    if value is None:
+        return DEFAULT_SHARED_TOKENS if suffix != "off" else 0
+    if value and suffix == "off":
+        raise ValueError("--dflash-suffix-shared needs --dflash-suffix on (or always)")
+    return value
+
+
 def _widths_arg(text: str) -> tuple[int, ...]:
     try:
         return parse_widths(text)
@@ -170,10 +184,11 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--dflash-suffix-shared",
         type=_shared_capacity,
-        default=0,
+        default=None,
         metavar="TOKENS",
         help="also look suffixes up in the outputs of recently finished requests, holding "
-        "the last TOKENS/2 to TOKENS tokens (~180 bytes each; e.g. 262144); 0: off (default)",
+        f"the last TOKENS/2 to TOKENS tokens, ~180 bytes each (default {DEFAULT_SHARED_TOKENS} "
+        "with --dflash-suffix on; 0: off)",
     )
     group.add_argument(
         "--dflash-explore-every",
@@ -199,7 +214,7 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         suffix_always=ns.dflash_suffix == "always",
         suffix_max_match=ns.dflash_suffix_max_match,
         suffix_max_proposal=ns.dflash_suffix_max_proposal,
-        suffix_shared=ns.dflash_suffix_shared,
+        suffix_shared=_shared_tokens(ns.dflash_suffix_shared, ns.dflash_suffix),
         explore_every=ns.dflash_explore_every,
         kernels=ns.dflash_kernels,
     )

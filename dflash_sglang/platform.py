@@ -8,6 +8,7 @@ the CUDA one with torch stand-ins for its kernels and drive the worker's CUDA br
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,38 @@ def _upstream_sampling_verify() -> Callable | None:
     return compute_dflash_sampling_correct_drafts_and_bonus
 
 
+class HostTimer:
+    """Seconds of a region on a device the host waits for (CPU: exact at `stop`)."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._seconds: float | None = None
+
+    def stop(self) -> None:
+        self._seconds = time.perf_counter() - self._start
+
+    def seconds(self) -> float | None:
+        return self._seconds
+
+
+class CudaTimer:
+    """Device seconds of a region, read without synchronising: None until the GPU has run
+    it (the caller asks a step later and skips the measurement if it is not done yet)."""
+
+    def __init__(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> None:
+        self._end.record()
+
+    def seconds(self) -> float | None:
+        if not self._end.query():
+            return None
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
 @dataclass(frozen=True)
 class Platform:
     name: str  # "cpu" or "cuda"
@@ -60,6 +93,9 @@ class Platform:
     sampling_verify: Callable | None = None
     # Compiled Triton is available: `dflash_sglang.kernels` may replace upstream's kernels.
     triton_kernels: bool = False
+    # Times the draft forward for the planner's cost model (`start_timer()`, `.stop()`,
+    # `.seconds()` later).
+    start_timer: Callable[[], HostTimer | CudaTimer] = HostTimer
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -79,6 +115,7 @@ CUDA = Platform(
     sleep_on_idle=False,
     adopt_tensor=_record_on_current_stream,
     triton_kernels=True,
+    start_timer=CudaTimer,
 )
 
 

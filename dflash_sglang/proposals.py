@@ -223,6 +223,9 @@ class Planner:
     def suffix_stats(self, proposal: SuffixProposal) -> AcceptanceStats:
         return (self.shared if proposal.shared else self.suffix)[proposal.match_len - 1]
 
-    def observe_seconds(self, plan: StepPlan, bs: int, seconds: float) -> None:
+    def observe_seconds(
+        self, plan: StepPlan, bs: int, seconds: float, draft_seconds: float = 0.0
+    ) -> None:
+        """A step of `plan` took `seconds`, `draft_seconds` of them the draft forward."""
         drafted = bs * self.block_size if plan.run_draft else 0
-        self.cost.observe(bs, bs * plan.width, drafted, seconds)
+        self.cost.observe(bs, bs * plan.width, drafted, seconds, draft_seconds)

@@ -128,9 +128,9 @@ class DFlashXWorker(DFlashWorkerV2):
         # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._shared: SharedSuffixIndex | None = None
-        if self.options.suffix_shared:
+        if self.options.shared_tokens:
             self._shared = SharedSuffixIndex(
-                self.options.suffix_shared,
+                self.options.shared_tokens,
                 self.options.suffix_max_match,
                 self.options.max_proposal(self.block_size),
             )
@@ -138,7 +138,8 @@ class DFlashXWorker(DFlashWorkerV2):
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
-        self._last_step: tuple[StepPlan, int, float] | None = None
+        # The last decode step: plan, batch size, start time, draft-forward timer (or None).
+        self._last_step: tuple[StepPlan, int, float, object | None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self.metrics: PrometheusMetrics | None = None
         # One exporter per DP group, as SGLang's own scheduler metrics: counters from every
@@ -186,13 +187,16 @@ class DFlashXWorker(DFlashWorkerV2):
         host_lens = self._host_prefix_lens(batch, draft_input)
         start = self._observe_step_start()
         plan = self.plan_step(batch, host_lens)
-        self._last_step = (plan, len(host_lens), start)
 
         # 1) Propose; 2) verify the first `width` tokens in one causal target forward;
         # 3) accept the longest matching prefix plus the target's bonus token.
         t0 = time.perf_counter()
+        timer = self.platform.start_timer() if plan.run_draft else None
         candidates = self.propose(batch, draft_input, plan, prefix_lens, host_lens)
+        if timer is not None:
+            timer.stop()
         t1 = time.perf_counter()
+        self._last_step = (plan, len(host_lens), start, timer)
         slots = self._block_slots(batch, prefix_lens, host_lens, plan.width)
         logits_output, target_predict, can_run_cuda_graph = self.verify(
             batch, candidates, slots, host_lens + plan.width, grammar_barrier
@@ -294,11 +298,15 @@ class DFlashXWorker(DFlashWorkerV2):
     def _observe_step_start(self) -> float:
         """Step cost for the planner: from one decode step's start to the next, scheduler
         overhead included (that is what a wider step is traded against). A prefill in
-        between breaks the chain (`forward_batch_generation` clears `_last_step`)."""
+        between breaks the chain (`forward_batch_generation` clears `_last_step`). The draft
+        forward is timed on its own, so the cost model prices the drafter from its own
+        measurement; a device timer not read out yet skips the step."""
         now = time.perf_counter()
         if self._last_step is not None:
-            plan, bs, start = self._last_step
-            self.planner.observe_seconds(plan, bs, now - start)
+            plan, bs, start, timer = self._last_step
+            draft_seconds = timer.seconds() if timer is not None else 0.0
+            if draft_seconds is not None:
+                self.planner.observe_seconds(plan, bs, now - start, draft_seconds)
             if self.metrics is not None:
                 self.metrics.observe_step_seconds(now - start, plan.predicted_seconds)
         return now

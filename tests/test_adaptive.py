@@ -10,8 +10,11 @@ WIDTHS = [1, 2, 4, 8, 16]
 TRUE_COST = (0.05, 0.002, 0.0005, 0.0002)
 
 
-def _seconds(coeffs, bs, verify_tokens, draft_tokens):
-    return sum(c * f for c, f in zip(coeffs, (1, bs, verify_tokens, draft_tokens), strict=True))
+def _seconds(coeffs, bs, verify_tokens, draft_tokens, draft_fixed=0.0):
+    """(step seconds, of them the draft forward's) for linear costs `coeffs`."""
+    draft = coeffs[3] * draft_tokens + (draft_fixed if draft_tokens else 0.0)
+    rest = coeffs[0] + coeffs[1] * bs + coeffs[2] * verify_tokens
+    return rest + draft, draft
 
 
 # --- AcceptanceStats -------------------------------------------------------------------------
@@ -98,11 +101,11 @@ def test_cost_model_recovers_a_linear_cost_from_exact_data():
     model = CostModel(DEFAULT_CPU_PRIOR)
     for _ in range(50):
         step = _random_step(rng)
-        model.observe(*step, _seconds(truth, *step))
+        model.observe(*step, *_seconds(truth, *step))
     for bs in (1, 5, 16):
         for w in WIDTHS:
             for draft in (0, bs * BLOCK):
-                want = _seconds(truth, bs, bs * w, draft)
+                want, _ = _seconds(truth, bs, bs * w, draft)
                 assert model.predict(bs, bs * w, draft) == pytest.approx(want, rel=0.01)
 
 
@@ -111,18 +114,18 @@ def test_cost_model_is_monotone_in_verify_tokens_even_if_data_slopes_down():
     model = CostModel(DEFAULT_CPU_PRIOR)
     for _ in range(50):
         bs, verify, draft = _random_step(rng)
-        model.observe(bs, verify, draft, 0.2 - 0.0005 * verify + 0.0001 * draft)
+        model.observe(bs, verify, draft, 0.2 - 0.0005 * verify + 0.0001 * draft, 0.0001 * draft)
     for bs in (1, 8):
         preds = [model.predict(bs, bs * w, 0) for w in range(1, 17)]
         assert all(a <= b for a, b in zip(preds, preds[1:], strict=False))
 
 
 def test_cost_model_reproduces_a_measured_point_when_the_constraint_binds():
-    # Against this prior, the unconstrained fit of one point has a negative draft slope;
-    # clamping it only at prediction time would predict ~0.087 s here forever.
+    # Against this prior, the unconstrained fit of one point has a negative verify slope;
+    # clamping it only at prediction time would predict far more than measured forever.
     model = CostModel(DEFAULT_CPU_PRIOR)
     for _ in range(3):
-        model.observe(1, 4, BLOCK, 0.0572)
+        model.observe(1, 4, BLOCK, 0.0572, 0.004)
     assert model.predict(1, 4, BLOCK) == pytest.approx(0.0572, rel=0.01)
 
 
@@ -133,10 +136,26 @@ def test_cost_model_forgets_an_old_cost():
     for coeffs, n in ((TRUE_COST, 100), (slow, 500)):
         for _ in range(n):
             step = _random_step(rng)
-            model.observe(*step, _seconds(coeffs, *step))
+            model.observe(*step, *_seconds(coeffs, *step))
     assert model.predict(4, 16, 4 * BLOCK) == pytest.approx(
-        _seconds(slow, 4, 16, 4 * BLOCK), rel=0.01
+        _seconds(slow, 4, 16, 4 * BLOCK)[0], rel=0.01
     )
+
+
+def test_cost_model_prices_the_drafter_from_its_own_timing_through_noisy_steps():
+    """One request, as at concurrency 1: the step time is noisy (±30%), mostly drafting
+    widths, a plain step now and then. The drafter's price comes from its own timer, so
+    the predicted difference between drafting and not is right, fixed cost included."""
+    rng = random.Random(3)
+    truth, draft_fixed = (0.10, 0.0, 0.001, 0.0005), 0.012  # the drafter: 20 ms of 16 tokens
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for i in range(300):
+        w = 1 if i % 50 == 0 else rng.choice([2, 4, 8])
+        draft = BLOCK if w > 1 else 0
+        seconds, drafting = _seconds(truth, 1, w, draft, draft_fixed)
+        model.observe(1, w, draft, seconds * rng.uniform(0.7, 1.3) + drafting * 0.3, drafting)
+    price = model.predict(1, 2, BLOCK) - model.predict(1, 2, 0)
+    assert price == pytest.approx(draft_fixed + truth[3] * BLOCK, rel=0.02)
 
 
 def test_cost_model_prediction_has_a_positive_floor():
@@ -159,3 +178,5 @@ def test_cost_model_rejects_bad_arguments(kwargs, name):
 def test_cost_model_rejects_a_negative_duration():
     with pytest.raises(ValueError, match="seconds"):
         CostModel(DEFAULT_CPU_PRIOR).observe(1, 1, 0, -0.1)
+    with pytest.raises(ValueError, match="draft_seconds"):
+        CostModel(DEFAULT_CPU_PRIOR).observe(1, 2, BLOCK, 0.1, float("nan"))

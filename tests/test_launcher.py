@@ -104,6 +104,10 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
         (lambda m, t: ["--dflash-adaptive", "maybe"], "--dflash-adaptive"),
         (lambda m, t: ["--dflash-suffix-max-match", "0"], "--dflash-suffix-max-match"),
         (
+            lambda m, t: ["--dflash-suffix", "off", "--dflash-suffix-shared", "4096"],
+            "--dflash-suffix-shared needs --dflash-suffix on",
+        ),
+        (
             # The tiny draft's block is 4: a width of 8 cannot be verified.
             lambda m, t: [
                 "--model-path",

@@ -35,10 +35,11 @@ def test_flags_round_trip_through_the_environment():
         "--dflash-suffix=off",
         "--dflash-suffix-max-match=3",
         "--dflash-suffix-max-proposal=5",
-        "--dflash-suffix-shared=4096",
         "--dflash-explore-every=0",
     )
     assert SpecOptions.from_env(opts.to_env()) == opts
+    shared = _parse("--dflash-suffix-shared=4096")
+    assert SpecOptions.from_env(shared.to_env()) == shared
     assert SpecOptions.from_env(_parse().to_env()) == SpecOptions()
     assert SpecOptions.from_env({}) == SpecOptions()
 
@@ -85,9 +86,13 @@ def test_checks_against_the_block_size_name_the_flag():
     _parse("--dflash-widths", "1,16", "--dflash-suffix-max-proposal", "15").check(16)
 
 
-def test_shared_lookup_is_off_by_default_and_needs_the_suffix_source():
-    assert _parse().suffix_shared == 0
-    assert _parse("--dflash-suffix-shared", "262144").suffix_shared == 262144
+def test_shared_lookup_is_on_with_the_suffix_source_and_needs_it():
+    assert _parse().shared_tokens == options.DEFAULT_SHARED_TOKENS == SpecOptions().shared_tokens
+    assert _parse("--dflash-suffix-shared", "0").shared_tokens == 0
+    assert _parse("--dflash-suffix", "off").shared_tokens == 0
+    assert SpecOptions(suffix=False).shared_tokens == 0
     with pytest.raises(ValueError, match="--dflash-suffix-shared needs --dflash-suffix on"):
-        _parse("--dflash-suffix", "off", "--dflash-suffix-shared", "4096").check(16)
-    _parse("--dflash-suffix", "always", "--dflash-suffix-shared", "4096").check(16)
+        _parse("--dflash-suffix", "off", "--dflash-suffix-shared", "4096")
+    assert _parse("--dflash-suffix", "always", "--dflash-suffix-shared", "4096").shared_tokens
+    off = _parse("--dflash-suffix-shared", "0")
+    assert SpecOptions.from_env(off.to_env()) == off

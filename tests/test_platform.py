@@ -36,3 +36,12 @@ def test_flashinfer_imports():
     code = "import flashinfer, flashinfer.cascade; print(flashinfer.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_cpu_times_the_draft_forward_on_the_host_and_cuda_with_events():
+    timer = platform.CPU.start_timer()
+    assert timer.seconds() is None  # not stopped: nothing to report
+    sum(range(10000))
+    timer.stop()
+    assert 0.0 < timer.seconds() < 5.0
+    assert platform.CUDA.start_timer is platform.CudaTimer

@@ -20,6 +20,10 @@ def _seconds(bs: int, width: int, run_draft: bool) -> float:
     return sum(c * f for c, f in zip(TRUE_COST, features, strict=True))
 
 
+def _draft_seconds(bs: int, run_draft: bool) -> float:
+    return TRUE_COST[3] * bs * BLOCK if run_draft else 0.0
+
+
 def _closed_loop(planner: Planner, rates: list[float], seed: int = 0) -> list[StepPlan]:
     """Planner -> plan -> Bernoulli acceptance at `rates[t]` per slot and the true step time
     -> planner, with DFlash alone (no suffix proposals). Returns the plans run."""
@@ -34,7 +38,8 @@ def _closed_loop(planner: Planner, rates: list[float], seed: int = 0) -> list[St
                 n += 1
             accepted.append(n)
         planner.observe(plan, accepted)
-        planner.observe_seconds(plan, BS, _seconds(BS, plan.width, plan.run_draft))
+        seconds = _seconds(BS, plan.width, plan.run_draft)
+        planner.observe_seconds(plan, BS, seconds, _draft_seconds(BS, plan.run_draft))
         plans.append(plan)
     return plans
 
@@ -223,7 +228,8 @@ def test_observe_seconds_fits_the_cost_of_the_plan_that_ran():
     planner = Planner(BLOCK, WIDTHS, CostModel(DEFAULT_CPU_PRIOR))
     for width, run_draft in [(1, False), (4, True), (16, True), (16, False), (8, True)] * 20:
         plan = StepPlan(width, run_draft, (None,) * BS, 0.0)
-        planner.observe_seconds(plan, BS, _seconds(BS, width, run_draft))
+        seconds = _seconds(BS, width, run_draft)
+        planner.observe_seconds(plan, BS, seconds, _draft_seconds(BS, run_draft))
     for width, run_draft in [(2, True), (16, False), (1, False)]:
         drafted = BS * BLOCK if run_draft else 0
         predicted = planner.cost.predict(BS, BS * width, drafted)

@@ -205,3 +205,30 @@ def check_our_kernels_decide_acceptance() -> None:
 
 def test_our_kernels_decide_acceptance(interpret):
     interpret(check_our_kernels_decide_acceptance)
+
+
+class _DeviceTimer:
+    """A CUDA timer stand-in: `seconds` is None until the device has run the region."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self._seconds = seconds
+
+    def seconds(self) -> float | None:
+        return self._seconds
+
+
+@pytest.mark.parametrize("draft_seconds", [None, 0.02])
+def test_step_cost_takes_the_device_timed_draft_forward_or_skips_the_step(draft_seconds):
+    """The planner prices the drafter from its own (device) timer, read a step later without
+    synchronising; a timer the GPU has not reached yet skips that step's measurement."""
+    worker = bare_worker()
+    observed = []
+    worker.planner = SimpleNamespace(observe_seconds=lambda *a: observed.append(a))
+    worker.metrics = None
+    plan = SimpleNamespace(predicted_seconds=0.1)
+    worker._last_step = (plan, 2, 0.0, _DeviceTimer(draft_seconds))
+    now = worker._observe_step_start()
+    if draft_seconds is None:
+        assert observed == []
+    else:
+        assert observed == [(plan, 2, now, draft_seconds)]
