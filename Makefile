@@ -61,7 +61,8 @@ gpu-check: gpu-setup system-deps
 	  if "$$@"; then summary="$$summary  PASS  $$name\n"; \
 	  else summary="$$summary  FAIL  $$name\n"; status=1; fi; }; \
 	step "kernel tests, compiled on CUDA" env DFLASH_KERNEL_DEVICE=cuda \
-	  $(BIN)/python -m pytest -q -rs tests/test_kernels_accept.py tests/test_kernels_kv_inject.py; \
+	  $(BIN)/python -m pytest -q -rs tests/test_kernels_accept.py tests/test_kernels_kv_inject.py \
+	  tests/test_kernels_draft_attention.py; \
 	step "GPU smoke test" $(BIN)/python -m pytest -q -rs tests/test_gpu_smoke.py; \
 	step "whole suite" $(BIN)/python -m pytest -q -rs; \
 	step "kernel bench" $(BIN)/python bench/bench_kernels_gpu.py \

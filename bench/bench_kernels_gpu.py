@@ -39,13 +39,17 @@ Arms (ours vs upstream):
                  cut top-p on the full distribution, so the targets differ by design.
       compared:  as greedy; a draw within fp32 rounding of a CDF boundary may legitimately
                  differ (each side sums probabilities in its own order).
-  draft_attention  batch x block x context, upstream only (our FlashInfer draft backend does
-                   not exist yet): FlashInfer's BatchPrefillWithPagedKVCacheWrapper, fa2, NHD,
-                   page size 1, non-causal, B queries per request over context + B cached keys
-                   (hidden/128 query heads, 8 KV heads of 128, bf16): one draft layer, as
-                   upstream's FlashInfer backend runs each. Planned before capture. Checked
-                   against torch attention on request 0. Shapes whose KV does not fit in 80%
-                   of free memory are skipped and say so.
+  draft_attention  batch x block x context, one draft layer (hidden/128 query heads, 8 KV
+                   heads of 128, bf16, NHD, page size 1, non-causal), planned before capture.
+      ours:      kernels.flashinfer_draft.SplitDraftAttention: the block as a ragged pass
+                 over its own K/V, the context as a paged pass, merge_state; nothing written
+                 (paged kernel family from DFLASH_DRAFT_PAGED_BACKEND, default auto).
+      upstream:  what its FlashInfer backend does per draft layer: write the block's K/V
+                 into the cache at the verify slots, then one paged pass over context +
+                 block.
+      compared:  both against torch attention on request 0, and with each other (bf16:
+                 2% of the largest output). Shapes whose KV does not fit in 80% of free
+                 memory are skipped and say so.
 
 SGLang, FlashInfer and Triton are imported only once CUDA is known to be there, so --help
 and the no-CUDA exit work anywhere. Exit status: 0; 1 if any pair differs, a replay
@@ -439,7 +443,10 @@ def compare_pools(ours: Outputs, upstream: Outputs, before: Outputs, written) ->
 
 
 def attention_case(bs: int, block: int, context: int, heads: int, gen: torch.Generator) -> dict:
-    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+    from flashinfer import merge_state
+
+    from dflash_sglang.kernels.draft_attention import draft_layout
+    from dflash_sglang.kernels.flashinfer_draft import Heads, SplitDraftAttention, make_wrappers
 
     device = torch.device("cuda")
     per_request = context + block
@@ -447,64 +454,79 @@ def attention_case(bs: int, block: int, context: int, heads: int, gen: torch.Gen
     kv_bytes = 2 * slots * KV_HEADS * HEAD_DIM * torch.bfloat16.itemsize
     workspace_bytes = 512 << 20  # upstream's FlashInfer workspace for Qwen3 targets
     reference_bytes = 2 * per_request * KV_HEADS * HEAD_DIM * 4 + heads * block * per_request * 8
-    need = kv_bytes + workspace_bytes + reference_bytes
+    need = kv_bytes + 2 * workspace_bytes + reference_bytes
     free, _ = torch.cuda.mem_get_info()
     if need > 0.8 * free:
         return {"skipped": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
 
-    kv_shape = (slots, 1, KV_HEADS, HEAD_DIM)  # [pages, page_size, heads, dim]
+    # Request i owns slots [i * per_request, (i + 1) * per_request): context, then block.
+    kv_shape = (slots, KV_HEADS, HEAD_DIM)
     k_cache, v_cache = bf16_normal(kv_shape, gen), bf16_normal(kv_shape, gen)
     q = bf16_normal((bs * block, heads, HEAD_DIM), gen)
-    qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=device) * block
-    kv_indptr = torch.arange(bs + 1, dtype=torch.int32, device=device) * per_request
-    kv_indices = torch.arange(slots, dtype=torch.int32, device=device)
-    last_page_len = torch.ones(bs, dtype=torch.int32, device=device)
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(
-        torch.empty(workspace_bytes, dtype=torch.uint8, device=device),
-        kv_layout="NHD",
-        use_cuda_graph=True,
-        qo_indptr_buf=torch.empty_like(qo_indptr),
-        paged_kv_indptr_buf=torch.empty_like(kv_indptr),
-        paged_kv_indices_buf=torch.empty_like(kv_indices),
-        paged_kv_last_page_len_buf=torch.empty_like(last_page_len),
-        backend="fa2",
+    k_block = bf16_normal((bs * block, KV_HEADS, HEAD_DIM), gen)
+    v_block = bf16_normal((bs * block, KV_HEADS, HEAD_DIM), gen)
+    req_to_token = torch.arange(slots, dtype=torch.int32, device=device).view(bs, per_request)
+    block_slots = req_to_token[:, context:].reshape(-1).long()
+    layout = draft_layout(
+        req_to_token,
+        torch.arange(bs, device=device),
+        torch.full((bs,), per_request, dtype=torch.int64),
+        block,
     )
-    wrapper.plan(
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
-        last_page_len,
-        heads,
-        KV_HEADS,
-        HEAD_DIM,
-        1,
-        causal=False,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
-    out = torch.empty_like(q)
+    layer = SimpleNamespace(
+        tp_q_head_num=heads, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
+        head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, logit_cap=0.0,
+        k_scale_float=None, v_scale_float=None,
+    )  # fmt: skip
+
+    def workspace() -> torch.Tensor:
+        return torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+
+    # Upstream: write the block's K/V into the cache, one paged pass over context + block.
+    whole = make_wrappers(workspace(), bs, torch.zeros(slots, dtype=torch.int32, device=device))
+    whole.context.plan(
+        layout.qo_indptr, torch.arange(bs + 1, dtype=torch.int32) * per_request,
+        req_to_token.reshape(-1), torch.ones(bs, dtype=torch.int32), heads, KV_HEADS,
+        HEAD_DIM, 1, causal=False, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+    )  # fmt: skip
 
     def upstream() -> Outputs:
-        wrapper.run(q, (k_cache, v_cache), out=out)
+        k_cache[block_slots] = k_block
+        v_cache[block_slots] = v_block
+        out = whole.context.forward(q, (k_cache, v_cache), causal=False, sm_scale=layer.scaling)
         return {"out": out}
 
-    eager = snapshot(upstream())
-    # Request 0 against plain attention in float32; query head h = k * group + g reads KV
-    # head k, as FlashInfer's GQA does.
-    q0 = q[:block].float().view(block, KV_HEADS, heads // KV_HEADS, HEAD_DIM)
-    k0, v0 = k_cache[:per_request, 0].float(), v_cache[:per_request, 0].float()
-    scores = torch.einsum("qkgd,skd->kgqs", q0, k0) / math.sqrt(HEAD_DIM)
-    want = torch.einsum("kgqs,skd->qkgd", scores.softmax(dim=-1), v0).reshape(q[:block].shape)
-    err = float((eager["out"][:block].float() - want).abs().max())
-    scale = float(want.abs().max())
-    timed = time_graph(upstream, eager)
-    return {
-        "match": err <= 2e-2 * scale,
-        "max_abs_err_vs_torch": err,
-        "torch_max_abs": scale,
-        "upstream_us": timed["us"],
-        "replay_equals_eager": timed["replay_equals_eager"],
-    }
+    # Ours: the block ragged over its own K/V, the context paged, merged; no cache write.
+    split = SplitDraftAttention(
+        Heads(heads, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.bfloat16), merge=merge_state
+    )
+    indices = torch.zeros(slots, dtype=torch.int32, device=device)
+    wrappers = split.plan(make_wrappers(workspace(), bs, indices), layout)
+
+    def ours() -> Outputs:
+        flat = (q.view(len(q), -1), k_block.view(len(q), -1), v_block.view(len(q), -1))
+        return {"out": split.run(wrappers, *flat, layer, (k_cache, v_cache)).view_as(q)}
+
+    def compare(mine: Outputs, theirs: Outputs) -> dict:
+        # Request 0 against plain attention in float32; query head h = k * group + g reads
+        # KV head k, as FlashInfer's GQA does.
+        q0 = q[:block].float().view(block, KV_HEADS, heads // KV_HEADS, HEAD_DIM)
+        k0 = torch.cat([k_cache[:context], k_block[:block]]).float()
+        v0 = torch.cat([v_cache[:context], v_block[:block]]).float()
+        scores = torch.einsum("qkgd,skd->kgqs", q0, k0) / math.sqrt(HEAD_DIM)
+        want = torch.einsum("kgqs,skd->qkgd", scores.softmax(dim=-1), v0).reshape(q[:block].shape)
+        scale = float(want.abs().max())
+        err_upstream = float((theirs["out"][:block].float() - want).abs().max())
+        err_ours = float((mine["out"][:block].float() - want).abs().max())
+        diff = float((mine["out"].float() - theirs["out"].float()).abs().max())
+        return {
+            "match": max(err_ours, err_upstream, diff) <= 2e-2 * scale,
+            "max_abs_err_vs_torch": {"ours": err_ours, "upstream": err_upstream},
+            "max_abs_diff_ours_vs_upstream": diff,
+            "torch_max_abs": scale,
+        }
+
+    return run_pair(ours, upstream, compare)
 
 
 # ------------------------------------------------------------------------------ main

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-CPU_ATTENTION_BACKEND = "dflash_cpu"  # registered by `cpu_platform.attention`
+CPU_ATTENTION_BACKEND = "dflash_cpu"  # `cpu_platform.attention`, registered by `backends`
+# The draft on CUDA with the block split from the context (`kernels.flashinfer_draft`).
+DRAFT_FLASHINFER_BACKEND = "dflash_flashinfer"
 GPU_ATTENTION_BACKEND = "flashinfer"
 
 

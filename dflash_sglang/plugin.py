@@ -31,10 +31,11 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.utils import is_cpu
 
-    from dflash_sglang.cpu_platform import activate, attention
+    from dflash_sglang import backends
+    from dflash_sglang.cpu_platform import activate
     from dflash_sglang.spec import DFlashXSpec, validate_server_args
 
-    attention.register()
+    backends.register()
     if is_cpu():
         activate()
     SpeculativeAlgorithm.register(

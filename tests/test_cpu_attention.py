@@ -24,6 +24,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention  # n
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
+from dflash_sglang import backends  # noqa: E402
 from dflash_sglang.cpu_platform import attention  # noqa: E402
 
 torch.set_num_threads(1)
@@ -359,8 +360,12 @@ def test_packed_token_rows_and_slot_padding() -> None:
 
 
 def test_register_is_idempotent() -> None:
-    attention.register()
-    attention.register()
-    assert ATTENTION_BACKENDS["dflash_cpu"] is attention.create_backend
+    backends.register()
+    backends.register()
+    assert ATTENTION_BACKENDS["dflash_cpu"] is backends._cpu
+    assert ATTENTION_BACKENDS["dflash_flashinfer"] is backends._flashinfer_draft
     assert choices.ATTENTION_BACKEND_CHOICES.count("dflash_cpu") == 1
     assert choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("dflash_cpu") == 1
+    # Draft only: the split pass is the DFlash block's, not a target backend.
+    assert "dflash_flashinfer" not in choices.ATTENTION_BACKEND_CHOICES
+    assert choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("dflash_flashinfer") == 1

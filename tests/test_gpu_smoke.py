@@ -12,7 +12,7 @@ import torch
 
 from dflash_sglang.drafters import default_draft_dir
 from tests.prompts import LONG, SHORT
-from tests.server import ar_and_dflash
+from tests.server import PURE_DFLASH, Server, ar_and_dflash
 
 pytestmark = [
     pytest.mark.server,
@@ -21,12 +21,16 @@ pytestmark = [
 PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers."]
 
 
-@pytest.fixture(scope="module")
-def cuda_servers(converted, tmp_path_factory):
+def _common(converted) -> list[str]:
     target, _ = converted
     common = ["--model-path", str(target), "--device", "cuda", "--dtype", "float32"]
-    common += ["--max-total-tokens", "16384", "--mem-fraction-static", "0.3"]
-    with ar_and_dflash(common, default_draft_dir(), tmp_path_factory.mktemp("gpu")) as pair:
+    return [*common, "--max-total-tokens", "16384", "--mem-fraction-static", "0.3"]
+
+
+@pytest.fixture(scope="module")
+def cuda_servers(converted, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("gpu")
+    with ar_and_dflash(_common(converted), default_draft_dir(), log_dir) as pair:
         yield pair
 
 
@@ -43,6 +47,27 @@ def test_greedy_fp32_equals_plain_decoding_on_cuda(cuda_servers):
     for plain, spec in results:
         assert spec["output_ids"] == plain
     assert sum(spec["meta_info"]["spec_verify_ct"] for _, spec in results) > 0
+
+
+def test_split_draft_attention_is_lossless_on_cuda(cuda_servers, converted, tmp_path):
+    """`dflash_flashinfer` (block ragged, context paged, merged; no block K/V written):
+    greedy output equal to plain decoding, and drafts still accepted (attention gone wrong
+    leaves a drafter accepting nothing, lossless all the same)."""
+    ar, _ = cuda_servers
+    args = [*_common(converted), "--speculative-draft-model-path", str(default_draft_dir())]
+    args += [*PURE_DFLASH, "--speculative-draft-attention-backend", "dflash_flashinfer"]
+    split = Server(args, tmp_path / "split.log")
+    try:
+        kwargs = {"max_new_tokens": 64, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            plain = list(pool.map(lambda p: ar.generate(p, **kwargs), PROMPTS + SHORT[:6]))
+            ours = list(pool.map(lambda p: split.generate(p, **kwargs), PROMPTS + SHORT[:6]))
+    finally:
+        split.stop()
+    assert [o["output_ids"] for o in ours] == [p["output_ids"] for p in plain]
+    steps = sum(o["meta_info"]["spec_verify_ct"] for o in ours)
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in ours)
+    assert steps < 0.9 * tokens, (steps, tokens)
 
 
 def test_sampling_runs_on_cuda(cuda_servers):

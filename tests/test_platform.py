@@ -26,7 +26,7 @@ def test_unknown_devices_name_the_flag(device):
 
 
 def test_cpu_backend_name_is_defined_once():
-    assert attention.BACKEND_NAME is platform.CPU_ATTENTION_BACKEND
+    assert attention.CPU_ATTENTION_BACKEND is platform.CPU_ATTENTION_BACKEND
     assert platform.CPU.attention_backend == "dflash_cpu"
     assert not platform.CPU.overlap_schedule and platform.CUDA.overlap_schedule
 

@@ -63,6 +63,11 @@ def test_conflicting_block_flags_are_rejected(models):
         ({"speculative_draft_window_size": 64}, "--speculative-draft-window-size"),
         ({"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens"),
         ({"speculative_draft_attention_backend": "fa3"}, "--speculative-draft-attention-backend"),
+        # CUDA-only: FlashInfer's wrappers.
+        (
+            {"speculative_draft_attention_backend": "dflash_flashinfer"},
+            "--speculative-draft-attention-backend",
+        ),
         ({"speculative_draft_model_path": None}, "--speculative-draft-model-path"),
     ],
 )

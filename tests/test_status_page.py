@@ -35,7 +35,8 @@ def test_status_page_renders_live_stats(live_dflash, tmp_path):
     # The live server verifies the whole block (8) every step, DFlash only.
     assert _text(dom, "verify-width") == "8.0" and _text(dom, "width-last") == "8"
     assert _text(dom, "spec-off") == "0.0%"
-    assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / –"
+    # DFlash block / own-text lookup / shared lookup: the last two never proposed here.
+    assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / – / –"
     positions = len(stats["since_start"]["acceptance_by_position"])
     assert positions == 7
     assert dom.count('class="bar window"') == positions

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from sglang.srt.arg_groups import choices
-from sglang.srt.layers.attention.attention_registry import register_attention_backend
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -27,8 +25,6 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
-
-BACKEND_NAME = CPU_ATTENTION_BACKEND
 
 
 @dataclass(frozen=True)
@@ -165,13 +161,15 @@ def batch_lengths(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tens
     if mode.is_target_verify():
         spec_info = forward_batch.spec_info
         if getattr(spec_info, "custom_mask", None) is not None:
-            raise NotImplementedError(f"{BACKEND_NAME}: tree verify (spec_info.custom_mask)")
+            raise NotImplementedError(
+                f"{CPU_ATTENTION_BACKEND}: tree verify (spec_info.custom_mask)"
+            )
         if getattr(spec_info, "ragged_verify_layout", None) is not None:
-            raise NotImplementedError(f"{BACKEND_NAME}: ragged verify layouts")
+            raise NotImplementedError(f"{CPU_ATTENTION_BACKEND}: ragged verify layouts")
         width = spec_info.draft_token_num
         return torch.full_like(seq_lens, width), seq_lens + width
     if forward_batch.extend_seq_lens is None:
-        raise NotImplementedError(f"{BACKEND_NAME}: forward mode {mode.name}")
+        raise NotImplementedError(f"{CPU_ATTENTION_BACKEND}: forward mode {mode.name}")
     return forward_batch.extend_seq_lens, seq_lens
 
 
@@ -187,7 +185,9 @@ def check_layer_supported(layer: RadixAttention, forward_batch: ForwardBatch, ex
     if layer.logit_cap > 0 and layer.logit_capping_method != "tanh":
         unsupported.append(f"logit capping method {layer.logit_capping_method!r}")
     if unsupported:
-        raise NotImplementedError(f"{BACKEND_NAME} does not support: {', '.join(unsupported)}")
+        raise NotImplementedError(
+            f"{CPU_ATTENTION_BACKEND} does not support: {', '.join(unsupported)}"
+        )
 
 
 def soft_capped_attention(
@@ -225,11 +225,11 @@ class DFlashCPUAttnBackend(AttentionBackend):
     def _check_pool_supported(self) -> None:
         pool = self.token_to_kv_pool
         if isinstance(pool, SWAKVPool):
-            raise NotImplementedError(f"{BACKEND_NAME}: sliding-window KV pools")
+            raise NotImplementedError(f"{CPU_ATTENTION_BACKEND}: sliding-window KV pools")
         if getattr(pool, "use_hnd", False):
-            raise NotImplementedError(f"{BACKEND_NAME}: HND KV cache layout")
+            raise NotImplementedError(f"{CPU_ATTENTION_BACKEND}: HND KV cache layout")
         if pool.dtype.itemsize == 1:
-            raise NotImplementedError(f"{BACKEND_NAME}: {pool.dtype} KV cache")
+            raise NotImplementedError(f"{CPU_ATTENTION_BACKEND}: {pool.dtype} KV cache")
 
     def init_forward_metadata_out_graph(
         self, forward_batch: ForwardBatch, in_capture: bool = False
@@ -295,7 +295,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
         batch = self.forward_metadata
         if batch is None:
-            raise RuntimeError(f"{BACKEND_NAME}: init_forward_metadata was not called")
+            raise RuntimeError(f"{CPU_ATTENTION_BACKEND}: init_forward_metadata was not called")
 
         query = self._padded_queries(q.reshape(-1, heads, head_dim), batch)
         key = self._gathered(self.token_to_kv_pool.get_key_buffer(layer.layer_id), batch, q.dtype)
@@ -346,17 +346,3 @@ class DFlashCPUAttnBackend(AttentionBackend):
         rows = buffer.index_select(0, batch.kv_slots.view(-1))
         rows = rows.view(batch.batch_size, batch.kv_max, *buffer.shape[1:]).transpose(1, 2)
         return rows.to(dtype)
-
-
-def create_backend(model_runner: ModelRunner) -> DFlashCPUAttnBackend:
-    """Factory SGLang's registry calls for both the target and the draft model runner."""
-    return DFlashCPUAttnBackend(model_runner)
-
-
-def register() -> None:
-    """Make `--attention-backend dflash_cpu` (and the draft flag) valid; idempotent."""
-    register_attention_backend(BACKEND_NAME)(create_backend)
-    if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
-        choices.add_attention_backend_choices([BACKEND_NAME])
-    if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
-        choices.add_draft_attention_backend_choices([BACKEND_NAME])
