@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve test lint bench clean gpu-setup gpu-check reliability
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability
 
 setup: $(STAMP)
 
@@ -20,14 +20,21 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	touch $@
 
 # Debian programs the tests drive for real: Prometheus (+ promtool) and headless Chromium.
-SYSTEM_BINS := prometheus promtool chromium
+# kubectl renders deploy/k8s (`kubectl kustomize`) in tests/test_deploy.py.
+SYSTEM_BINS := prometheus promtool chromium kubectl
 system-deps:
 	@for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing=1; done; \
 	[ -z "$$missing" ] || (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -q --no-install-recommends prometheus chromium)
+	  apt-get install -y -q --no-install-recommends prometheus chromium \
+	  $$(command -v kubectl >/dev/null || echo kubernetes-client))
 
 serve: setup
 	$(BIN)/python -m dflash_sglang.launch_server $(ARGS)
+
+# N replicas behind sglang-router (cache-aware) on one host: router on :30000.
+N ?= 2
+serve-cluster: setup
+	$(BIN)/python -m dflash_sglang.cluster --replicas $(N) $(ARGS)
 
 test: setup system-deps
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)

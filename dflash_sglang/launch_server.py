@@ -199,6 +199,15 @@ def check_models(args: Sequence[str], options: spec_options.SpecOptions) -> None
         raise LaunchError(str(e)) from e
 
 
+def host_replicas(env: dict[str, str]) -> int:
+    """Servers sharing this host (`DFLASH_HOST_REPLICAS`, set by `dflash_sglang.cluster`):
+    the default KV pool takes its share of RAM divided by them."""
+    text = env.get("DFLASH_HOST_REPLICAS", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise LaunchError(f"DFLASH_HOST_REPLICAS must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def with_cpu_kv_pool(args: list[str]) -> list[str]:
     """`--max-total-tokens` from the models' KV size and context, unless the pool is given."""
     import psutil
@@ -218,8 +227,9 @@ def with_cpu_kv_pool(args: list[str]) -> list[str]:
     context = int(context)
     dtype = flag_value(args, "--kv-cache-dtype")
     dtype = dtype if dtype not in (None, "auto") else flag_value(args, "--dtype")
+    host_ram = psutil.virtual_memory().total // host_replicas(dict(os.environ))
     tokens = kv_pool.default_max_total_tokens(
-        target, draft, context, kv_pool.dtype_bytes(dtype, target), psutil.virtual_memory().total
+        target, draft, context, kv_pool.dtype_bytes(dtype, target), host_ram
     )
     logger.info("CPU KV pool: --max-total-tokens %d (pass it to choose another size)", tokens)
     return [*args, "--max-total-tokens", str(tokens)]

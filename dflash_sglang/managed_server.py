@@ -1,4 +1,5 @@
-"""Our launcher as a child process on a free loopback port: for data generation and tests."""
+"""Server processes we start and own: our launcher (data generation, tests, the cluster's
+replicas) and SGLang's router (the cluster's front), each on a loopback port."""
 
 from __future__ import annotations
 
@@ -34,37 +35,96 @@ def scheduler_processes(pid: int) -> list[psutil.Process]:
     return found
 
 
-class Server:
-    """`python -m dflash_sglang.launch_server ARGS` on a free loopback port."""
+class ManagedProcess:
+    """A child process in its own session (so stopping it stops its whole tree), logging
+    to a file, ready when `GET url + health_path` answers 200. Restartable on its port."""
 
-    def __init__(self, args: list[str], log_path: Path, threads: int = 1) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), SGLANG_CPU_OMP_THREADS_BIND="all")
-        cmd = [sys.executable, "-m", "dflash_sglang.launch_server", "--port", str(self.port), *args]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+    health_path = "/health"
+
+    def __init__(
+        self,
+        cmd: list[str],
+        log_path: Path,
+        port: int,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
+        self.cmd, self.log_path, self.port = cmd, log_path, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+        self.start()
+        if wait:
+            self.wait_ready()
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        self._wait_ready()
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True,
+        )  # fmt: skip
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(self.url + self.health_path, timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                raise RuntimeError(f"{self.cmd[2]} exited with {code}:\n{self.log_tail()}")
+            if self.ready():
+                return
             time.sleep(1)
         self.stop()
-        raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.cmd[2]} not ready in {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def launcher_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return dict(
+        os.environ, OMP_NUM_THREADS=str(threads), SGLANG_CPU_OMP_THREADS_BIND="all", **extra or {}
+    )
+
+
+class Server(ManagedProcess):
+    """`python -m dflash_sglang.launch_server ARGS` on a loopback port (a free one unless
+    given)."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        threads: int = 1,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "dflash_sglang.launch_server", "--port", str(port), *args]
+        log_path.write_text("")
+        super().__init__(cmd, log_path, port, launcher_env(threads, env), wait)
 
     def generate(
         self,
@@ -79,13 +139,3 @@ class Server:
         r = requests.post(self.url + "/generate", json=body, timeout=600)
         r.raise_for_status()
         return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()

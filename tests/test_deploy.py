@@ -252,21 +252,27 @@ def test_dockerfile_base_matches_pinned_sglang_and_copies_the_package():
     expose = [ins[1] for ins in dockerfile() if ins[0] == "EXPOSE"]
     assert expose == [str(server_port())]
     assert "dflash_sglang.launch_server" in DOCKERFILE.read_text()
+    (router_pin,) = [d for d in pyproject["project"]["dependencies"] if "sglang-router" in d]
+    assert router_pin.split()[0] in DOCKERFILE.read_text(), "the image's router is not the pin"
 
 
 # --- Kubernetes ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def k8s() -> dict[str, dict]:
-    """The kustomization's resources by kind (one of each)."""
+def k8s() -> dict[tuple[str, str], dict]:
+    """The kustomization's resources by (kind, name)."""
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     files = {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files
     docs = [d for f in sorted(files) for d in yaml.safe_load_all((K8S / f).read_text()) if d]
-    by_kind = {d["kind"]: d for d in docs}
-    assert len(by_kind) == len(docs)
-    return by_kind
+    by_key = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(by_key) == len(docs)
+    return by_key
+
+
+REPLICAS = ("StatefulSet", "dflash-sglang")
+ROUTER = ("Deployment", "dflash-router")
 
 
 def container_port(container: dict, port: int | str) -> int:
@@ -276,21 +282,46 @@ def container_port(container: dict, port: int | str) -> int:
     return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
 
 
-def test_k8s_kinds(k8s):
+def only_container(workload: dict) -> dict:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_k8s_resources(k8s):
     assert set(k8s) == {
-        "Namespace",
-        "PersistentVolumeClaim",
-        "Deployment",
-        "Service",
-        "ServiceMonitor",
+        ("Namespace", "dflash"),
+        REPLICAS,
+        ("Service", "dflash-sglang"),
+        ROUTER,
+        ("Service", "dflash-router"),
+        ("ServiceAccount", "dflash-router"),
+        ("Role", "dflash-router"),
+        ("RoleBinding", "dflash-router"),
+        ("ServiceMonitor", "dflash-sglang"),
+        ("ServiceMonitor", "dflash-router"),
     }
-    assert k8s["ServiceMonitor"]["apiVersion"] == "monitoring.coreos.com/v1"
+    monitors = [d for (kind, _), d in k8s.items() if kind == "ServiceMonitor"]
+    assert all(m["apiVersion"] == "monitoring.coreos.com/v1" for m in monitors)
 
 
-def test_k8s_deployment_serves_on_a_b200(k8s):
-    pod = k8s["Deployment"]["spec"]["template"]
+def test_kustomize_renders_everything_in_one_namespace(k8s):
+    assert shutil.which("kubectl"), "kubectl missing: run `make system-deps`"
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == set(k8s)
+    namespaced = [d for d in rendered if d["kind"] != "Namespace"]
+    assert {d["metadata"]["namespace"] for d in namespaced} == {"dflash"}
+
+
+def test_k8s_replicas_serve_on_b200s_and_scale_with_one_field(k8s):
+    workload = k8s[REPLICAS]
+    assert workload["spec"]["replicas"] >= 2
+    assert workload["spec"]["podManagementPolicy"] == "Parallel"
+    assert workload["spec"]["serviceName"] == k8s[("Service", "dflash-sglang")]["metadata"]["name"]
+    pod = workload["spec"]["template"]
     spec = pod["spec"]
-    (container,) = spec["containers"]
+    container = only_container(workload)
     assert container["image"] == compose()["services"][SERVER]["image"]
     for kind in ("requests", "limits"):
         assert container["resources"][kind]["nvidia.com/gpu"] >= 1
@@ -308,30 +339,50 @@ def test_k8s_deployment_serves_on_a_b200(k8s):
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    models = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
-    assert models == k8s["PersistentVolumeClaim"]["metadata"]["name"]
+    (claim,) = workload["spec"]["volumeClaimTemplates"]  # a model cache per replica
+    assert claim["metadata"]["name"] == mounts["/models"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     env = {e["name"]: e for e in container["env"]}
     assert env["HF_HOME"]["value"].startswith("/models/")
     for ref in re.findall(r"\$\((\w+)\)", " ".join(container["args"])):
         assert ref in env, f"args reference undefined env {ref}"
     labels = pod["metadata"]["labels"]
-    assert k8s["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def test_k8s_service_and_servicemonitor_reach_the_pod(k8s):
-    pod = k8s["Deployment"]["spec"]["template"]
-    (container,) = pod["spec"]["containers"]
-    service = k8s["Service"]
-    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    (service_port,) = service["spec"]["ports"]
-    assert container_port(container, service_port["targetPort"]) == server_port()
-    monitor = k8s["ServiceMonitor"]["spec"]
-    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    (endpoint,) = monitor["endpoints"]
-    assert endpoint["port"] == service_port["name"] and endpoint["path"] == "/metrics"
-    assert endpoint["interval"] == scrape_interval()
-    (rule,) = scrape_job(yaml.safe_load(PROM_CONFIG.read_text()))["metric_relabel_configs"]
-    assert endpoint["metricRelabelings"] == [
+def test_k8s_router_discovers_the_replicas(k8s):
+    replica_pod = k8s[REPLICAS]["spec"]["template"]
+    router = k8s[ROUTER]["spec"]["template"]
+    container = only_container(k8s[ROUTER])
+    assert container["image"] == only_container(k8s[REPLICAS])["image"]
+    assert container["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    args = container["args"]
+    assert "--service-discovery" in args and flag(args, "--policy") == "cache_aware"
+    key, value = flag(args, "--selector").split("=")
+    assert replica_pod["metadata"]["labels"][key] == value
+    assert int(flag(args, "--service-discovery-port")) == server_port()
+    env = {e["name"]: e for e in container["env"]}
+    for ref in re.findall(r"\$\((\w+)\)", " ".join(args)):
+        assert ref in env, f"router args reference undefined env {ref}"
+    replica_env = {e["name"]: e for e in only_container(k8s[REPLICAS])["env"]}
+    assert env["DFLASH_API_KEY"]["valueFrom"] == replica_env["DFLASH_API_KEY"]["valueFrom"]
+    # It may read pods in its namespace, as its ServiceAccount.
+    account = router["spec"]["serviceAccountName"]
+    binding = k8s[("RoleBinding", "dflash-router")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = k8s[("Role", binding["roleRef"]["name"])]
+    (rule,) = role["rules"]
+    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
+    for probe, path in (("readinessProbe", "/readiness"), ("livenessProbe", "/liveness")):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path
+        assert container_port(container, get["port"]) == int(flag(args, "--port"))
+
+
+def test_k8s_services_and_servicemonitors_reach_the_pods(k8s):
+    relabel = scrape_job(yaml.safe_load(PROM_CONFIG.read_text()))["metric_relabel_configs"]
+    (rule,) = relabel
+    expected_relabel = [
         {
             "sourceLabels": rule["source_labels"],
             "regex": rule["regex"],
@@ -339,13 +390,35 @@ def test_k8s_service_and_servicemonitor_reach_the_pod(k8s):
             "replacement": rule["replacement"],
         }
     ]
+    for workload, name, port_name in (
+        (REPLICAS, "dflash-sglang", "http"),
+        (ROUTER, "dflash-router", "metrics"),
+    ):
+        pod = k8s[workload]["spec"]["template"]
+        container = only_container(k8s[workload])
+        service = k8s[("Service", name)]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        monitor = k8s[("ServiceMonitor", name)]["spec"]
+        assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        (endpoint,) = monitor["endpoints"]
+        assert endpoint["port"] == port_name and endpoint["path"] == "/metrics"
+        assert endpoint["interval"] == scrape_interval()
+        target = container_port(container, ports[port_name]["targetPort"])
+        assert str(target) == pod["metadata"]["annotations"]["prometheus.io/port"]
+        if workload == REPLICAS:
+            assert target == server_port()
+            assert service["spec"]["clusterIP"] == "None"  # one DNS name per replica
+            assert endpoint["metricRelabelings"] == expected_relabel
+        else:
+            assert target == int(flag(container["args"], "--prometheus-port"))
 
 
 def test_api_key_comes_from_a_secret_never_inline(k8s):
     """The launcher reads $DFLASH_API_KEY / $DFLASH_API_KEY_FILE; no file carries a key."""
     from dflash_sglang.launch_server import API_KEY_ENV, API_KEY_FILE_ENV, SECRET_FLAGS
 
-    (container,) = k8s["Deployment"]["spec"]["template"]["spec"]["containers"]
+    container = only_container(k8s[REPLICAS])
     env = {e["name"]: e for e in container["env"]}
     assert set(env[API_KEY_ENV]) == {"name", "valueFrom"}
     assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"]["name"]
@@ -360,7 +433,7 @@ def test_api_key_comes_from_a_secret_never_inline(k8s):
 
 def test_k8s_gives_in_flight_requests_time_to_finish(k8s):
     """SGLang drains running requests on SIGTERM; the pod must not be killed first."""
-    spec = k8s["Deployment"]["spec"]["template"]["spec"]
+    spec = k8s[REPLICAS]["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] >= 120
 
 
