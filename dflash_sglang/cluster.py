@@ -51,13 +51,21 @@ class Router(ManagedProcess):
 
     health_path = "/readiness"
 
-    def __init__(self, args: argparse.Namespace, workers: list[str], log_path: Path) -> None:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host,
-               "--port", str(args.port), "--policy", args.policy, "--worker-urls", *workers,
-               "--prometheus-host", args.host, "--prometheus-port", str(metrics_port(args)),
+    def __init__(
+        self,
+        workers: list[str],
+        log_path: Path,
+        port: int,
+        policy: str,
+        metrics_port: int,
+        host: str = "127.0.0.1",
+    ) -> None:
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+               "--port", str(port), "--policy", policy, "--worker-urls", *workers,
+               "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                *ROUTER_HEALTH, "--log-level", "warn"]  # fmt: skip
         log_path.write_text("")
-        super().__init__(cmd, log_path, args.port, wait=False)
+        super().__init__(cmd, log_path, port, env=dict(os.environ, NO_COLOR="1"), wait=False)
 
 
 def our_parser() -> argparse.ArgumentParser:
@@ -108,8 +116,11 @@ def check_args(args: argparse.Namespace, replica_args: Sequence[str]) -> None:
 
 
 class Cluster:
-    def __init__(self, args: argparse.Namespace, replica_args: list[str]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, replica_args: list[str], start_router: bool = True
+    ) -> None:
         self.args = args
+        self.start_router = start_router
         self.log_dir = Path(args.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         device = flag_value(replica_args, "--device") or platform.detect_device()
@@ -136,7 +147,11 @@ class Cluster:
     def wait_ready(self) -> None:
         for replica in self.replicas:
             replica.wait_ready()
-        self.router = Router(self.args, [r.url for r in self.replicas], self.log_dir / "router.log")
+        if not self.start_router:
+            return
+        a = self.args
+        self.router = Router([r.url for r in self.replicas], self.log_dir / "router.log",
+                             a.port, a.policy, metrics_port(a), a.host)  # fmt: skip
         self.router.wait_ready(timeout_s=120)
         self.write_scrape_targets()
 

@@ -74,7 +74,7 @@ def test_host_replicas_divides_the_default_kv_pool(capsys):
 
 
 def _free_block(n: int) -> int:
-    """A port p with p..p+n free (best effort: the check in `cluster` is authoritative)."""
+    """A port p with p..p+n bindable (best effort: the check in `cluster` is authoritative)."""
     for _ in range(50):
         base = free_port()
         if base + n < 65536 and all(_free(base + i) for i in range(n + 1)):
@@ -173,4 +173,6 @@ def test_cluster_routes_survives_a_killed_replica_and_stops_cleanly(models, tmp_
             raise
         log.close()
     assert code == 0
-    assert not any(not _free(p) for p in (port, port + 1, port + 2)), "a process outlived it"
+    connections = psutil.net_connections("tcp")
+    listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    assert not listening & set(range(port, port + 4)), "a process outlived the cluster"
