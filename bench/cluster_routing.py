@@ -3,7 +3,8 @@
     python bench/cluster_routing.py --out bench/cluster/routing.json [--fault]
 
 Two replicas (our launcher: the embedded SmolLM2, its bundled drafter, one core each, as
-`python -m dflash_sglang.cluster` starts them) and two sglang-router processes in front of
+`python -m dflash_sglang.cluster` starts them, with `--dflash-suffix-shared 0` so no arm
+proposes from the other arm's outputs) and two sglang-router processes in front of
 both: `cache_aware` and `round_robin`. Each slice flushes both replicas' caches, then runs
 locust (`loadtest`'s users, streaming chat) through one router over the slice's
 shared-prefix prompts (`loadtest.prompt_sets.shared_prefix`: groups sharing a ~450-token
@@ -14,9 +15,10 @@ replica: requests, cached tokens, and DFlash draft KV reused from the radix cach
 (`dflash_radix_reused_draft_kv_tokens_total`), which must follow the router's choices.
 
 --fault: one more cache-aware run during which replica 1's whole process tree is SIGKILLed
-after --kill-after seconds. Reported: failed requests, replica 1's running requests just
-before the kill (the most that may fail), seconds until the supervisor had it answering
-again and until the router sent it a request.
+after --kill-after seconds, with the cluster's supervisor running. Reported: failed
+requests, the requests the router had in flight on replica 1 at the kill (what may fail),
+and seconds until the router took it out of rotation, until it answered again (restarted),
+and until the router took it back (its own `smg_worker_health`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ ARMS = ("cache_aware", "round_robin")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--slices", type=int, default=3, help="alternations of the two arms")
+    p.add_argument("--slices", type=int, default=3, help="alternations of the two arms (0: none)")
     p.add_argument("--requests-per-slice", type=int, default=32, help="4 per prefix group")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--fault", action="store_true", help="then kill replica 1 mid-run")
@@ -57,9 +59,15 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def flush(urls: list[str]) -> None:
+def flush(urls: list[str], timeout_s: float = 60.0) -> None:
+    """Empty every replica's radix cache; SGLang answers 400 while requests are still in
+    the scheduler (a stream the client has finished may not have left it yet): retry."""
     for url in urls:
-        requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+        deadline = time.monotonic() + timeout_s
+        while (r := requests.post(url + "/flush_cache", timeout=60)).status_code != 200:
+            if time.monotonic() > deadline:
+                r.raise_for_status()
+            time.sleep(1)
 
 
 def per_replica(urls: list[str], before: list, after: list) -> list[dict]:
@@ -102,27 +110,50 @@ def run_arm(router_url: str, replicas: list[str], prompts: list[str], args, work
     }
 
 
-def fault_run(routers, replicas_obj, prompts, args, work: Path) -> dict:
-    """Kill replica 1 `kill_after` seconds into a cache-aware run; let the cluster restart it."""
-    victim = replicas_obj[1]
-    url = victim.url
+def fault_run(cl, router, prompts, args, work: Path) -> dict:
+    """Kill replica 1 `kill_after` seconds into a cache-aware run while the cluster's
+    supervisor runs; time the router taking it out and back in."""
+    victim = cl.replicas[1]
     outcome: dict = {}
+    stop = threading.Event()
 
-    def kill() -> None:
+    def supervise() -> None:
+        while not stop.is_set():
+            cl.supervise_once()
+            time.sleep(0.5)
+
+    def kill_and_watch() -> None:
         time.sleep(args.kill_after)
-        outcome["running_at_kill"] = server_metrics.total(
-            server_metrics.scrape(url).gauges, "sglang:num_running_reqs"
-        )
+        in_flight = router.worker_gauge("smg_worker_requests_active", victim.url)
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        outcome["killed_at"] = time.monotonic()
+        killed = time.monotonic()
+        outcome["router_in_flight_on_it_at_kill"] = in_flight
+        deadline = killed + 900
 
-    killer = threading.Thread(target=kill)
-    killer.start()
-    result = run_arm(routers["cache_aware"].url, [r.url for r in replicas_obj[:1]], prompts,
-                     args, work)  # fmt: skip
-    killer.join()
+        def health() -> float | None:
+            return router.worker_gauge("smg_worker_health", victim.url)
+
+        while health() != 0 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        outcome["seconds_until_router_took_it_out"] = time.monotonic() - killed
+        while not victim.ready() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        outcome["seconds_until_it_answered_again"] = time.monotonic() - killed
+        while health() != 1 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        outcome["seconds_until_router_took_it_back"] = time.monotonic() - killed
+
+    threads = [
+        threading.Thread(target=supervise, daemon=True),
+        threading.Thread(target=kill_and_watch),
+    ]
+    for t in threads:
+        t.start()
+    result = run_arm(router.url, [cl.replicas[0].url], prompts, args, work)
+    threads[1].join()
+    stop.set()
     result.pop("replicas")  # replica 1's counters restarted with it
-    return result | outcome
+    return result | outcome | {"restarts": list(cl.restarts)}
 
 
 def main() -> int:
@@ -131,7 +162,11 @@ def main() -> int:
     base = free_port()
     ns = argparse.Namespace(replicas=2, port=base, host="127.0.0.1", policy="cache_aware",
                             threads=1, log_dir=str(work))  # fmt: skip
-    cl = cluster.Cluster(ns, ["--served-model-name", "default"], start_router=False)
+    # The shared suffix lookup off: it would carry one arm's outputs into the next arm's
+    # identical prompts (flush_cache empties SGLang's caches, not this index).
+    replica_args = ["--served-model-name", "default", "--dflash-suffix-shared", "0"]
+    cl = cluster.Cluster(ns, replica_args, start_router=False)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run `finally`: stop everything
     routers = {}
     try:
         cl.wait_ready()
@@ -153,7 +188,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 runs.append(row)
         summary = {}
-        for arm in ARMS:
+        for arm in ARMS if runs else ():
             mine = [r for r in runs if r["arm"] == arm]
             summary[arm] = {
                 "output_tok_s": sum(r["output_tok_s"] for r in mine) / len(mine),
@@ -162,54 +197,20 @@ def main() -> int:
             }
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
                   "summary": summary}  # fmt: skip
-        if args.fault:
-            report["fault"] = fault_run_supervised(cl, routers, pool, args, work)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
         print(json.dumps(summary, indent=1))
+        if args.fault:
+            flush(urls)
+            n = 2 * args.requests_per_slice
+            report["fault"] = fault_run(cl, routers["cache_aware"], pool[-n:], args, work)
+            args.out.write_text(json.dumps(report, indent=1))
+            print(json.dumps(report["fault"], indent=1))
         return 0
     finally:
         for router in routers.values():
             router.stop()
         cl.stop()
-
-
-def fault_run_supervised(cl, routers, pool, args, work: Path) -> dict:
-    """The fault run with the cluster's supervisor restarting the killed replica."""
-    stop = threading.Event()
-
-    def supervise() -> None:
-        while not stop.is_set():
-            cl.supervise_once()
-            time.sleep(0.5)
-
-    supervisor = threading.Thread(target=supervise, daemon=True)
-    supervisor.start()
-    n = args.requests_per_slice * 2
-    prompts = pool[-n:]
-    flush([r.url for r in cl.replicas])
-    result = fault_run(routers, cl.replicas, prompts, args, work)
-    victim = cl.replicas[1]
-    deadline = time.monotonic() + 600
-    while not victim.ready() and time.monotonic() < deadline:
-        time.sleep(1)
-    result["seconds_to_answer_again"] = time.monotonic() - result["killed_at"]
-    before = server_metrics.total(server_metrics.scrape(victim.url).counters,
-                                  "sglang:num_requests_total")  # fmt: skip
-    body = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": ""}]}
-    while time.monotonic() < deadline:
-        for i in range(4):
-            body["messages"][0]["content"] = f"Rejoin probe {i} {time.monotonic()}"
-            requests.post(routers["cache_aware"].url + "/v1/chat/completions", json=body,
-                          timeout=60)  # fmt: skip
-        now = server_metrics.total(server_metrics.scrape(victim.url).counters,
-                                   "sglang:num_requests_total")  # fmt: skip
-        if now > before:
-            break
-    result["seconds_to_rejoin"] = time.monotonic() - result.pop("killed_at")
-    result["restarts"] = cl.restarts
-    stop.set()
-    return result
 
 
 if __name__ == "__main__":

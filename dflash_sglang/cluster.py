@@ -60,12 +60,23 @@ class Router(ManagedProcess):
         metrics_port: int,
         host: str = "127.0.0.1",
     ) -> None:
+        self.metrics_url = f"http://{host}:{metrics_port}"
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                "--port", str(port), "--policy", policy, "--worker-urls", *workers,
                "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                *ROUTER_HEALTH, "--log-level", "warn"]  # fmt: skip
         log_path.write_text("")
         super().__init__(cmd, log_path, port, env=dict(os.environ, NO_COLOR="1"), wait=False)
+
+    def worker_gauge(self, name: str, worker_url: str) -> float | None:
+        """The router's own view of a worker: `smg_worker_health` (1 in rotation, 0 out),
+        `smg_worker_requests_active` (requests it has in flight there)."""
+        import requests
+
+        text = requests.get(self.metrics_url + "/metrics", timeout=5).text
+        needle = f'{name}{{worker="{worker_url}"}} '
+        line = next((ln for ln in text.splitlines() if ln.startswith(needle)), None)
+        return float(line.rsplit(" ", 1)[1]) if line else None
 
 
 def our_parser() -> argparse.ArgumentParser:

@@ -177,6 +177,17 @@ def test_level_prompts_wrap_and_mixed_alternates_sets():
     )
 
 
+def test_shared_prefix_prompts_come_in_groups_sharing_an_article():
+    prompts = prompt_sets.shared_prefix()
+    groups = prompt_sets.SHARED_PREFIX_GROUPS
+    assert len(prompts) == groups * 80  # every MT-Bench question once per group
+    articles = {p.split("\n\nThen answer briefly:")[0] for p in prompts}
+    assert len(articles) == groups and all(len(a) > 1500 for a in articles)
+    assert len(set(prompts[:groups])) == groups  # consecutive prompts change group
+    mixed = prompt_sets.load_prompts("mixed", seed=0, max_chars=4000)
+    assert not any("Then answer briefly:" in p for p in mixed)  # not part of `mixed`
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
