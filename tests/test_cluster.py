@@ -8,6 +8,7 @@ process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -148,6 +149,13 @@ def test_cluster_routes_survives_a_killed_replica_and_stops_cleanly(models, tmp_
         for i in range(6):
             assert generate(i).status_code == 200
         assert all(_requests_served(url) >= 2 for url in replicas), "round robin reaches both"
+        # Prometheus' file_sd lists (deploy/prometheus/cluster.yml) and the router's exporter.
+        listed = json.loads((tmp_path / "replicas.targets.json").read_text())
+        assert listed == [{"targets": [f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"]}]
+        (router_target,) = json.loads((tmp_path / "router.targets.json").read_text())
+        assert router_target["targets"] == [f"127.0.0.1:{port + 3}"]
+        exported = requests.get(f"http://127.0.0.1:{port + 3}/metrics", timeout=10).text
+        assert f'smg_worker_health{{worker="{replicas[0]}"}} 1' in exported
 
         # SIGKILL replica 1's whole tree: the router routes around it, the cluster restarts it.
         victim = _listener(port + 2)

@@ -24,6 +24,7 @@ from dflash_sglang.metrics import PREFIX
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+CLUSTER_PROM_CONFIG = DEPLOY / "prometheus" / "cluster.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "dflash-sglang.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "dflash.yml"
@@ -118,12 +119,31 @@ def test_dashboard_uses_only_defined_metrics():
 # --- Prometheus and Grafana ----------------------------------------------------------------
 
 
-def test_promtool_validates_config():
+@pytest.mark.parametrize("config", [PROM_CONFIG, CLUSTER_PROM_CONFIG])
+def test_promtool_validates_config(config):
     assert shutil.which("promtool"), "promtool missing: run `make system-deps`"
-    result = subprocess.run(
-        ["promtool", "check", "config", str(PROM_CONFIG)], capture_output=True, text=True
-    )
+    command = ["promtool", "check", "config", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cluster_prometheus_reads_the_target_lists_the_cluster_writes():
+    """`python -m dflash_sglang.cluster` writes `<log-dir>/{replicas,router}.targets.json`;
+    deploy/prometheus/cluster.yml reads them from the default log dir at the repo root."""
+    from dflash_sglang import cluster
+
+    log_dir = ROOT / cluster.our_parser().get_default("log_dir")
+    config = yaml.safe_load(CLUSTER_PROM_CONFIG.read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {JOB, "sglang-router"}
+    for job, name in ((JOB, "replicas"), ("sglang-router", "router")):
+        (sd,) = jobs[job]["file_sd_configs"]
+        (path,) = sd["files"]
+        assert (CLUSTER_PROM_CONFIG.parent / path).resolve() == log_dir / f"{name}.targets.json"
+    assert (
+        jobs[JOB]["metric_relabel_configs"]
+        == scrape_job(yaml.safe_load(PROM_CONFIG.read_text()))["metric_relabel_configs"]
+    )
 
 
 def scrape_interval() -> str:
