@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_sglang.verify_graphs import VerifyGraphs
+
 CPU_ATTENTION_BACKEND = "dflash_cpu"  # `cpu_platform.attention`, registered by `backends`
 # The draft on CUDA with the block split from the context (`kernels.flashinfer_draft`).
 DRAFT_FLASHINFER_BACKEND = "dflash_flashinfer"
@@ -98,6 +100,9 @@ class Platform:
     # Times the draft forward for the planner's cost model (`start_timer()`, `.stop()`,
     # `.seconds()` later).
     start_timer: Callable[[], HostTimer | CudaTimer] = HostTimer
+    # (target model runner, candidate widths, block size) -> per-width verify graphs, or
+    # None where the target has no graphs to swap (CPU).
+    verify_graphs: Callable[..., VerifyGraphs | None] = _no_op
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -118,6 +123,7 @@ CUDA = Platform(
     adopt_tensor=_record_on_current_stream,
     triton_kernels=True,
     start_timer=CudaTimer,
+    verify_graphs=VerifyGraphs.build,
 )
 
 

@@ -8,6 +8,7 @@ Plain DFlash drafts only: selector, Domino and LiLiCorr variants are rejected at
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -138,6 +139,9 @@ class DFlashXWorker(DFlashWorkerV2):
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
+        self._verify_graphs = self.platform.verify_graphs(
+            self.target_worker.model_runner, self.planner.widths, int(self.block_size)
+        )
         # The last decode step: plan, batch size, start time, draft-forward timer (or None).
         self._last_step: tuple[StepPlan, int, float, object | None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []
@@ -455,10 +459,13 @@ class DFlashXWorker(DFlashWorkerV2):
         view = copy.copy(batch)
         view.out_cache_loc = slots.cache_loc
         view.seq_lens_cpu, view.seq_lens_sum = host_seq_lens, int(host_seq_lens.sum())
-        forward_batch, _ = verify_input.prepare_for_verify(view, self.target_worker)
-        out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
-        )
+        graphs = self._verify_graphs
+        with graphs.using(width) if graphs is not None else contextlib.nullcontext():
+            forward_batch, _ = verify_input.prepare_for_verify(view, self.target_worker)
+            out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True,
+                skip_attn_backend_init=True,
+            )  # fmt: skip
         logits_output = out.logits_output
         target_predict = self._finish_verify_logits(batch, logits_output, width)
         if grammar_tree is not None:

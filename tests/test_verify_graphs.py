@@ -1,0 +1,91 @@
+"""Per-width verify graphs (`verify_graphs`), driven on CPU with stand-ins for SGLang's
+attention backends and graph runners: what is captured, what is active when, and that the
+worker's verify runs inside its width's state and leaves the block's behind."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_sglang import platform
+from dflash_sglang import worker as worker_module
+from dflash_sglang.verify_graphs import VerifyGraphs, VerifyState
+from dflash_sglang.worker import BlockSlots
+from tests.test_worker_cuda_branch import bare_worker
+
+BLOCK = 8
+
+
+def runner() -> SimpleNamespace:
+    return SimpleNamespace(attn_backend="backend8", decode_cuda_graph_runner="graph8")
+
+
+def capture(model_runner, width: int) -> VerifyState:
+    return VerifyState(f"backend{width}", f"graph{width}")
+
+
+def test_nothing_to_swap_without_graphs_or_other_widths():
+    no_graphs = SimpleNamespace(attn_backend="b", decode_cuda_graph_runner=None)
+    assert VerifyGraphs.build(no_graphs, (1, 2, BLOCK), BLOCK, capture) is None
+    assert VerifyGraphs.build(runner(), (BLOCK,), BLOCK, capture) is None  # fixed width
+    assert platform.CPU.verify_graphs(runner(), (1, BLOCK), BLOCK) is None
+
+
+def test_every_other_width_is_captured_and_swapped_as_a_unit():
+    model_runner = runner()
+    captured = []
+    graphs = VerifyGraphs.build(
+        model_runner, (1, 2, 4, BLOCK), BLOCK, lambda r, w: captured.append(w) or capture(r, w)
+    )
+    assert captured == [1, 2, 4]
+    assert (model_runner.attn_backend, model_runner.decode_cuda_graph_runner) == (
+        "backend8",
+        "graph8",
+    )
+    graphs.activate(2)
+    assert (model_runner.attn_backend, model_runner.decode_cuda_graph_runner) == (
+        "backend2",
+        "graph2",
+    )
+    with graphs.using(4):
+        assert model_runner.decode_cuda_graph_runner == "graph4"
+    assert model_runner.decode_cuda_graph_runner == "graph8"  # the block's, after a verify
+    graphs.activate(3)  # no graph of its own: the block's backend, eager
+    assert (model_runner.attn_backend, model_runner.decode_cuda_graph_runner) == (
+        "backend8",
+        "graph8",
+    )
+
+
+@pytest.mark.parametrize("width", [1, 2, BLOCK])
+def test_the_verify_forward_runs_in_its_widths_graph(monkeypatch, width):
+    model_runner = runner()
+    seen = []
+
+    class VerifyInput:
+        def __init__(self, **_):
+            pass
+
+        def prepare_for_verify(self, view, target_worker):
+            seen.append(("prepare", model_runner.attn_backend))
+            return SimpleNamespace(), None
+
+    def forward(**_):
+        seen.append(("forward", model_runner.decode_cuda_graph_runner))
+        logits = SimpleNamespace(next_token_logits=torch.zeros(2 * width, 5))
+        return SimpleNamespace(logits_output=logits, can_run_cuda_graph=True)
+
+    monkeypatch.setattr(worker_module, "DFlashVerifyInput", VerifyInput)
+    worker = bare_worker()
+    worker._target_worker = SimpleNamespace(
+        model_runner=model_runner, forward_batch_generation=forward
+    )
+    worker._verify_graphs = VerifyGraphs.build(model_runner, (1, 2, BLOCK), BLOCK, capture)
+    batch = SimpleNamespace(has_grammar=False, sampling_info=None)
+    slots = BlockSlots(torch.zeros(2 * width), torch.zeros(2 * width), None, width)
+    candidates = torch.zeros(2, width, dtype=torch.int64)
+    worker.verify(batch, candidates, slots, torch.tensor([5 + width, 9 + width]))
+    assert seen == [("prepare", f"backend{width}"), ("forward", f"graph{width}")]
+    assert model_runner.decode_cuda_graph_runner == "graph8"
