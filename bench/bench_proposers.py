@@ -160,6 +160,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
+    ap.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="levels take prompts cyclically from the set (a set smaller than the levels "
+        "need is reused); only for arms without the shared suffix lookup, which would be "
+        "credited for replaying outputs it holds",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     for flag, value, allowed in (("--arms", args.arms, ARMS), ("--sets", args.sets, SET_NAMES)):
@@ -196,9 +203,15 @@ def main() -> None:
     draft = drafter(args.draft, target, work)
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(target)
-    sets = prompt_sets(
-        args.sets.split(","), tokenizer, args.prompts * sum(levels), args.max_prompt_tokens
-    )
+    needed = args.prompts * sum(levels)
+    sets = prompt_sets(args.sets.split(","), tokenizer, needed, args.max_prompt_tokens)
+    for name, prompts in sets.items():
+        if len(prompts) < needed and not args.repeat_prompts:
+            sys.exit(
+                f"--sets {name}: {len(prompts)} prompts, but --prompts {args.prompts} over "
+                f"--concurrency {args.concurrency} needs {needed} distinct ones (fewer "
+                "--prompts or levels, or --repeat-prompts for arms without shared lookup)"
+            )
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
     common += ["--speculative-draft-model-path", draft]
     servers: dict[str, Server] = {}
@@ -212,7 +225,7 @@ def main() -> None:
         offset = 0
         for c in levels:
             for name, prompts in sets.items():
-                batch = prompts[offset : offset + args.prompts * c]
+                batch = [prompts[(offset + i) % len(prompts)] for i in range(args.prompts * c)]
                 by_arm = interleaved(servers, batch, c, args.max_new_tokens, args.rounds)
                 for arm, totals in by_arm.items():
                     results.append({"concurrency": c, "set": name, "arm": arm} | totals)
