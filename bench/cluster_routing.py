@@ -110,6 +110,13 @@ def run_arm(router_url: str, replicas: list[str], prompts: list[str], args, work
     }
 
 
+def worker_gauge(router: cluster.Router, name: str, worker_url: str) -> float | None:
+    """The router's own view of a worker: `smg_worker_health` (1 in rotation, 0 out),
+    `smg_worker_requests_active` (requests it has in flight there)."""
+    gauges = server_metrics.scrape(router.metrics_url).gauges
+    return gauges.get(server_metrics.sample_key(name, {"worker": worker_url}))
+
+
 def fault_run(cl, router, prompts, args, work: Path) -> dict:
     """Kill replica 1 `kill_after` seconds into a cache-aware run while the cluster's
     supervisor runs; time the router taking it out and back in."""
@@ -124,14 +131,14 @@ def fault_run(cl, router, prompts, args, work: Path) -> dict:
 
     def kill_and_watch() -> None:
         time.sleep(args.kill_after)
-        in_flight = router.worker_gauge("smg_worker_requests_active", victim.url)
+        in_flight = worker_gauge(router, "smg_worker_requests_active", victim.url)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         outcome["router_in_flight_on_it_at_kill"] = in_flight
         deadline = killed + 900
 
         def health() -> float | None:
-            return router.worker_gauge("smg_worker_health", victim.url)
+            return worker_gauge(router, "smg_worker_health", victim.url)
 
         while health() != 0 and time.monotonic() < deadline:
             time.sleep(0.25)

@@ -68,16 +68,6 @@ class Router(ManagedProcess):
         log_path.write_text("")
         super().__init__(cmd, log_path, port, env=dict(os.environ, NO_COLOR="1"), wait=False)
 
-    def worker_gauge(self, name: str, worker_url: str) -> float | None:
-        """The router's own view of a worker: `smg_worker_health` (1 in rotation, 0 out),
-        `smg_worker_requests_active` (requests it has in flight there)."""
-        import requests
-
-        text = requests.get(self.metrics_url + "/metrics", timeout=5).text
-        needle = f'{name}{{worker="{worker_url}"}} '
-        line = next((ln for ln in text.splitlines() if ln.startswith(needle)), None)
-        return float(line.rsplit(" ", 1)[1]) if line else None
-
 
 def our_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -193,7 +183,7 @@ class Cluster:
             self.router.stop()
             self.router.start()
 
-    def stop(self, *_args) -> None:
+    def stop(self) -> None:
         self._stopping = True
         if self.router is not None:
             self.router.stop()

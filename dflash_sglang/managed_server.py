@@ -103,9 +103,9 @@ class ManagedProcess:
 
 
 def launcher_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    return dict(
-        os.environ, OMP_NUM_THREADS=str(threads), SGLANG_CPU_OMP_THREADS_BIND="all", **extra or {}
-    )
+    """`extra` wins, e.g. a per-rank `SGLANG_CPU_OMP_THREADS_BIND` for `--dp-size`."""
+    base = {"OMP_NUM_THREADS": str(threads), "SGLANG_CPU_OMP_THREADS_BIND": "all"}
+    return {**os.environ, **base, **(extra or {})}
 
 
 class Server(ManagedProcess):
