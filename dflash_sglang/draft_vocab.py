@@ -59,6 +59,22 @@ def load_ids(draft_dir: str | Path) -> torch.Tensor | None:
     raise ValueError(f"{draft_dir}: config sets draft_vocab_size but no {KEY} tensor exists")
 
 
+def write_full_vocabulary_copy(draft_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the drafter without its restricted vocabulary, for loaders that reject an
+    unknown tensor (vLLM): the same weights, proposing over the full vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((draft_dir / "config.json").read_text())
+    (config.get("dflash_config") or {}).pop("draft_vocab_size", None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    for file in sorted(draft_dir.glob("*.safetensors")):
+        tensors = {k: v for k, v in load_file(str(file)).items() if k != KEY}
+        save_file(tensors, str(out_dir / file.name), metadata={"format": "pt"})
+    return out_dir
+
+
 class InGraphHead:
     """Greedy proposals over the draft vocabulary into a static buffer.
 

@@ -38,6 +38,21 @@ def _cpu_draft_model(draft_model: torch.nn.Module) -> None:
     use_torch_paths(draft_model)
 
 
+def keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
+    """SGLang's model runner casts `input_embeds` to bf16 whatever `--dtype` says; cast back."""
+    dtype = draft_model.fc.weight.dtype
+    if dtype == torch.bfloat16:
+        return
+    forward = draft_model.forward
+
+    def forward_in_model_dtype(*args, input_embeds=None, **kwargs):
+        if input_embeds is not None:
+            input_embeds = input_embeds.to(dtype)
+        return forward(*args, input_embeds=input_embeds, **kwargs)
+
+    draft_model.forward = forward_in_model_dtype
+
+
 def _upstream_sampling_verify() -> Callable | None:
     """SGLang's fused sampling verify, where this build has it (CUDA with sgl-kernel)."""
     from sglang.srt.speculative.dflash_utils import (

@@ -82,21 +82,6 @@ class StepRecord:
     verify_seconds: float
 
 
-def _keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
-    """SGLang's model runner casts `input_embeds` to bf16 whatever `--dtype` says; cast back."""
-    dtype = draft_model.fc.weight.dtype
-    if dtype == torch.bfloat16:
-        return
-    forward = draft_model.forward
-
-    def forward_in_model_dtype(*args, input_embeds=None, **kwargs):
-        if input_embeds is not None:
-            input_embeds = input_embeds.to(dtype)
-        return forward(*args, input_embeds=input_embeds, **kwargs)
-
-    draft_model.forward = forward_in_model_dtype
-
-
 class DFlashXWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         # Read before upstream init, which may fold a full-vocabulary head into a CUDA graph.
@@ -115,7 +100,7 @@ class DFlashXWorker(DFlashWorkerV2):
             raise ValueError("DFLASH_X does not support hybrid (Mamba/linear-attention) targets")
         self.platform = platform.of_process()
         self.platform.prepare_draft_model(self.draft_model)
-        _keep_embeds_in_model_dtype(self.draft_model)
+        platform.keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
         self.options = SpecOptions.from_env(os.environ)
         self.planner = Planner(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from dflash_sglang.draft_vocab import draft_argmax, most_frequent, select
@@ -28,3 +31,24 @@ def test_proposals_come_from_the_vocabulary_in_full_ids():
     # The full vocabulary's winner is kept whenever it is in the draft vocabulary.
     everything = torch.arange(50)
     assert torch.equal(draft_argmax(hidden, weight, everything), full)
+
+
+def test_full_vocabulary_copy_drops_only_the_restricted_vocabulary(tmp_path):
+    from safetensors.torch import load_file
+
+    from dflash_sglang.draft_vocab import KEY, load_ids, write_full_vocabulary_copy
+    from dflash_sglang.drafters import default_draft_dir
+
+    bundled = Path(default_draft_dir())
+    assert load_ids(bundled) is not None
+    copy = write_full_vocabulary_copy(bundled, tmp_path / "full")
+    assert load_ids(copy) is None
+    config = json.loads((copy / "config.json").read_text())
+    original = json.loads((bundled / "config.json").read_text())
+    assert "draft_vocab_size" not in config["dflash_config"]
+    original["dflash_config"].pop("draft_vocab_size")
+    assert config == original
+    before = load_file(str(bundled / "model.safetensors"))
+    after = load_file(str(copy / "model.safetensors"))
+    assert set(before) - set(after) == {KEY}
+    assert all(torch.equal(after[k], before[k]) for k in after)

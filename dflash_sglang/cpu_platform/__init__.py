@@ -7,6 +7,7 @@ Active only on CPU. Pieces:
   draft block over SGLang's paged KV pool.
 - `triton_fallbacks`: torch versions of the Triton kernels the DFlash path calls, so no
   Triton interpreter runs on the serving hot path.
+- `upstream_dflash`: SGLang's own `--speculative-algorithm DFLASH` on CPU, for comparison.
 """
 
 from __future__ import annotations
@@ -58,4 +59,7 @@ def _record_stream(tensor: torch.Tensor, stream) -> None:
 
 def activate() -> None:
     """Per-process CPU patches; idempotent. Called by the plugin in every SGLang process."""
+    from dflash_sglang.cpu_platform import upstream_dflash
+
     torch.Tensor.record_stream = _record_stream
+    upstream_dflash.register_hooks()
