@@ -150,11 +150,12 @@ class Cluster:
             replica.wait_ready()
         if not self.start_router:
             return
+        # Written before the router starts, so a client that sees the router ready finds them.
+        self.write_scrape_targets()
         a = self.args
         self.router = Router([r.url for r in self.replicas], self.log_dir / "router.log",
                              a.port, a.policy, metrics_port(a), a.host)  # fmt: skip
         self.router.wait_ready(timeout_s=120)
-        self.write_scrape_targets()
 
     def write_scrape_targets(self) -> None:
         """Prometheus file_sd lists (deploy/prometheus/cluster.yml reads them): every replica,
