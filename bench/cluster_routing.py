@@ -17,8 +17,8 @@ replica: requests, cached tokens, and DFlash draft KV reused from the radix cach
 --fault: one more cache-aware run during which replica 1's whole process tree is SIGKILLed
 after --kill-after seconds, with the cluster's supervisor running. Reported: failed
 requests, the requests the router had in flight on replica 1 at the kill (what may fail),
-and seconds until the router took it out of rotation, until it answered again (restarted),
-and until the router took it back (its own `smg_worker_health`).
+and seconds until the router took it out of rotation (the supervisor's watcher removes it),
+until it answered again (restarted), and until the supervisor added it back.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def run_arm(router_url: str, replicas: list[str], prompts: list[str], args, work
         "ttft_p50_ms": stats.ttft_p50_ms,
         "prefix_cache_hit_rate": sum(r["cached_tokens"] for r in rows) / prompt if prompt else None,
         "replicas": rows,
+        "failed": [{k: r[k] for k in ("t_start", "t_end", "error")} for r in records if r["error"]],
     }
 
 
@@ -134,19 +135,20 @@ def fault_run(cl, router, prompts, args, work: Path) -> dict:
         in_flight = worker_gauge(router, "smg_worker_requests_active", victim.url)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
+        outcome["killed_at"] = killed  # the loadtest's clock (CLOCK_MONOTONIC) too
         outcome["router_in_flight_on_it_at_kill"] = in_flight
         deadline = killed + 900
 
-        def health() -> float | None:
-            return worker_gauge(router, "smg_worker_health", victim.url)
+        def in_rotation() -> bool:
+            return victim.url in router.worker_ids()
 
-        while health() != 0 and time.monotonic() < deadline:
-            time.sleep(0.25)
+        while in_rotation() and time.monotonic() < deadline:
+            time.sleep(0.01)
         outcome["seconds_until_router_took_it_out"] = time.monotonic() - killed
         while not victim.ready() and time.monotonic() < deadline:
             time.sleep(0.5)
         outcome["seconds_until_it_answered_again"] = time.monotonic() - killed
-        while health() != 1 and time.monotonic() < deadline:
+        while not in_rotation() and time.monotonic() < deadline:
             time.sleep(0.25)
         outcome["seconds_until_router_took_it_back"] = time.monotonic() - killed
 
@@ -160,6 +162,16 @@ def fault_run(cl, router, prompts, args, work: Path) -> dict:
     threads[1].join()
     stop.set()
     result.pop("replicas")  # replica 1's counters restarted with it
+    killed = outcome.pop("killed_at")
+    # Which failures were requests already running at the kill (what may fail), which not.
+    result["failed"] = [
+        {"error": f["error"], "started_s_before_kill": round(killed - f["t_start"], 3),
+         "ended_s_after_kill": round(f["t_end"] - killed, 3)}
+        for f in result["failed"]
+    ]  # fmt: skip
+    result["failed_not_in_flight_at_kill"] = sum(
+        f["started_s_before_kill"] < 0 for f in result["failed"]
+    )
     return result | outcome | {"restarts": list(cl.restarts)}
 
 
@@ -182,6 +194,7 @@ def main() -> int:
             routers[policy] = cluster.Router(urls, work / f"router_{policy}.log", free_port(),
                                              policy, free_port())  # fmt: skip
             routers[policy].wait_ready(timeout_s=120)
+        cl.routers.extend(routers.values())  # the supervisor takes a dead replica out of both
         pool = prompt_sets.shared_prefix()
         runs = []
         for s in range(args.slices):

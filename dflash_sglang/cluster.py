@@ -9,10 +9,11 @@ exporter on `--port + 1 + N`. Each replica is our launcher (its own `/metrics`,
 (`DFLASH_HOST_REPLICAS`); on CUDA replica i takes GPU i. The router is `sglang-router`
 (Rust; cache-aware routing by default) — no routing of ours.
 
-A supervisor, not a fire-and-forget script: a replica or router that exits is restarted on
-its port (the router's health checks take the replica out meanwhile and back in once it
-answers again); SIGINT/SIGTERM stops the router first, then every replica, each with its
-whole process tree.
+A supervisor, not a fire-and-forget script: a replica that exits is taken out of the router
+at once (a thread waits on its process, so no request is sent to it after it is gone; the
+router's own health checks would take ~1 s), restarted on its port and added back once it
+answers; a router that exits is restarted. SIGINT/SIGTERM stops the router first, then
+every replica, each with its whole process tree.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import requests
 
 from dflash_sglang import platform
 from dflash_sglang.launch_server import flag_value, has_flag
@@ -36,9 +40,10 @@ logger = logging.getLogger("dflash_sglang.cluster")
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 RESTART_BACKOFF_S = 2.0
-# The router's health checks: a killed replica is out after ~2 s, back ~2 s after it answers.
-ROUTER_HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-                 "--health-success-threshold", "1"]  # fmt: skip
+# The router's own health checks, a fallback behind the supervisor's watchers (replicas
+# outside its control): a dead replica is out after ~1-2 s, back ~1 s after it answers.
+ROUTER_HEALTH = {"health_check_interval_secs": 1, "health_failure_threshold": 2,
+                 "health_success_threshold": 1}  # fmt: skip
 
 
 class ClusterError(SystemExit):
@@ -61,12 +66,33 @@ class Router(ManagedProcess):
         host: str = "127.0.0.1",
     ) -> None:
         self.metrics_url = f"http://{host}:{metrics_port}"
+        health_flags = [
+            x for k, v in ROUTER_HEALTH.items() for x in (f"--{k.replace('_', '-')}", str(v))
+        ]
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
                "--port", str(port), "--policy", policy, "--worker-urls", *workers,
                "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-               *ROUTER_HEALTH, "--log-level", "warn"]  # fmt: skip
+               *health_flags, "--log-level", "warn"]  # fmt: skip
         log_path.write_text("")
         super().__init__(cmd, log_path, port, env=dict(os.environ, NO_COLOR="1"), wait=False)
+
+    def worker_ids(self) -> dict[str, str]:
+        """Worker URL -> the router's id for it (its control-plane API, `GET /workers`)."""
+        body = requests.get(self.url + "/workers", timeout=5).json()
+        return {w["url"]: w["id"] for w in body["workers"]}
+
+    def remove_worker(self, url: str) -> None:
+        """Out of rotation now (the router applies it within milliseconds); no-op if absent."""
+        worker_id = self.worker_ids().get(url)
+        if worker_id is not None:
+            requests.delete(f"{self.url}/workers/{worker_id}", timeout=5).raise_for_status()
+
+    def add_worker(self, url: str) -> None:
+        """Back in rotation, with the health checks the router gave it at start-up."""
+        if url in self.worker_ids():
+            return
+        body = {"url": url, **ROUTER_HEALTH}
+        requests.post(self.url + "/workers", json=body, timeout=5).raise_for_status()
 
 
 def our_parser() -> argparse.ArgumentParser:
@@ -142,8 +168,13 @@ class Cluster:
                 )  # fmt: skip
             )
         self.router: Router | None = None
+        # Every router in front of the replicas: ours, and any a caller adds (a benchmark's).
+        self.routers: list[Router] = []
         self.restarts = [0] * args.replicas
+        self._out: set[int] = set()  # replicas taken out of the routers, added back when ready
         self._stopping = False
+        for i in range(len(self.replicas)):
+            self._watch(i)
 
     def wait_ready(self) -> None:
         for replica in self.replicas:
@@ -156,6 +187,27 @@ class Cluster:
         self.router = Router([r.url for r in self.replicas], self.log_dir / "router.log",
                              a.port, a.policy, metrics_port(a), a.host)  # fmt: skip
         self.router.wait_ready(timeout_s=120)
+        self.routers.append(self.router)
+
+    def _watch(self, i: int) -> None:
+        """Take replica i out of every router the moment its current process exits."""
+        proc = self.replicas[i].proc
+
+        def on_exit() -> None:
+            proc.wait()
+            if not self._stopping:
+                self._take_out(i)
+
+        threading.Thread(target=on_exit, name=f"watch-replica{i}", daemon=True).start()
+
+    def _take_out(self, i: int) -> None:
+        url = self.replicas[i].url
+        for router in list(self.routers):
+            try:
+                router.remove_worker(url)
+            except requests.RequestException as e:  # its health checks will do it instead
+                logger.warning("could not take %s out of %s: %s", url, router.url, e)
+        self._out.add(i)
 
     def write_scrape_targets(self) -> None:
         """Prometheus file_sd lists (deploy/prometheus/cluster.yml reads them): every replica,
@@ -168,7 +220,8 @@ class Cluster:
             path.with_suffix(".tmp").replace(path)  # Prometheus never reads half a file
 
     def supervise_once(self) -> None:
-        """Restart whatever exited; called every second until stopped."""
+        """Restart whatever exited, add restarted replicas back once they answer; called
+        every second until stopped."""
         for i, replica in enumerate(self.replicas):
             if not replica.alive() and not self._stopping:
                 self.restarts[i] += 1
@@ -176,9 +229,20 @@ class Cluster:
                     "replica %d (port %d) exited with %s; restart %d",
                     i, replica.port, replica.proc.returncode, self.restarts[i],
                 )  # fmt: skip
+                self._take_out(i)  # done already by its watcher, unless that raced us
                 replica.stop()
                 time.sleep(RESTART_BACKOFF_S)
                 replica.start()
+                self._watch(i)
+            elif i in self._out and replica.ready():
+                try:
+                    for router in list(self.routers):
+                        router.add_worker(replica.url)
+                except requests.RequestException as e:
+                    logger.warning("could not add %s back yet: %s", replica.url, e)
+                else:
+                    self._out.discard(i)
+                    logger.info("replica %d (port %d) back in rotation", i, replica.port)
         if self.router is not None and not self.router.alive() and not self._stopping:
             logger.warning("router exited with %s; restarting", self.router.proc.returncode)
             self.router.stop()
