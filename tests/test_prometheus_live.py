@@ -1,8 +1,11 @@
-"""A real Prometheus scrapes a live DFLASH_X server; every Grafana dashboard query returns data.
+"""A real Prometheus scrapes a live DFLASH_X server and sglang-router in front of it; every
+Grafana dashboard query returns data.
 
 Prometheus (the Debian `prometheus` binary) runs on loopback with deploy/prometheus's own
-scrape job, pointed at the session server and scraping every second, while requests (plain
-and streaming chat) keep flowing so every `rate()` window holds at least two samples.
+scrape job pointed at the session server and the router job of deploy/prometheus/cluster.yml
+pointed at the router's exporter, scraping every second, while requests (plain and
+streaming chat, directly and through the router) keep flowing so every `rate()` window
+holds at least two samples.
 """
 
 from __future__ import annotations
@@ -21,35 +24,64 @@ import pytest
 import requests
 import yaml
 
+from dflash_sglang.cluster import Router
 from tests.prompts import SHORT
 from tests.server import Server, free_port
-from tests.test_deploy import JOB, PROM_CONFIG, dashboard, dashboard_exprs, promql, scrape_job
+from tests.test_deploy import (
+    CLUSTER_PROM_CONFIG,
+    JOB,
+    PROM_CONFIG,
+    dashboard,
+    dashboard_exprs,
+    promql,
+    scrape_job,
+)
 
 pytestmark = pytest.mark.server
 READY_TIMEOUT_S = 30
 DATA_TIMEOUT_S = 120
 
 
-def live_config(target: str, path: Path) -> Path:
-    """deploy/prometheus/prometheus.yml with its job aimed at `target`, scraping every 1 s."""
+def live_config(target: str, router_exporter: str, path: Path) -> Path:
+    """deploy/prometheus/prometheus.yml with its job aimed at `target` and cluster.yml's router
+    job at `router_exporter`, scraping every 1 s."""
     config = yaml.safe_load(PROM_CONFIG.read_text())
     job = scrape_job(config)
     job |= {"scrape_interval": "1s", "static_configs": [{"targets": [target]}]}
+    cluster = yaml.safe_load(CLUSTER_PROM_CONFIG.read_text())
+    (router_job,) = [j for j in cluster["scrape_configs"] if j["job_name"] != JOB]
+    del router_job["file_sd_configs"]
+    router_job |= {"scrape_interval": "1s", "static_configs": [{"targets": [router_exporter]}]}
     config["global"]["scrape_interval"] = "1s"
-    config["scrape_configs"] = [job]
+    config["scrape_configs"] = [job, router_job]
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 @pytest.fixture(scope="module")
-def prometheus(live_dflash: Server, tmp_path_factory) -> Iterator[str]:
+def router(live_dflash: Server, tmp_path_factory) -> Iterator[Router]:
+    """sglang-router (cache-aware, as the cluster runs it) in front of the session server."""
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    front = Router([live_dflash.url], log, free_port(), "cache_aware", free_port())
+    try:
+        front.wait_ready(timeout_s=120)
+        yield front
+    finally:
+        front.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(live_dflash: Server, router: Router, tmp_path_factory) -> Iterator[str]:
     binary = shutil.which("prometheus")
     assert binary, "prometheus missing: run `make system-deps`"
     tmp = tmp_path_factory.mktemp("prometheus")
     url = f"http://127.0.0.1:{free_port()}"
+    config = live_config(
+        urlparse(live_dflash.url).netloc, urlparse(router.metrics_url).netloc, tmp / "p.yml"
+    )
     cmd = [
         binary,
-        f"--config.file={live_config(urlparse(live_dflash.url).netloc, tmp / 'prometheus.yml')}",
+        f"--config.file={config}",
         f"--storage.tsdb.path={tmp / 'data'}",
         f"--web.listen-address={urlparse(url).netloc}",
     ]
@@ -92,7 +124,7 @@ def has_data(result: list[dict]) -> bool:
     return bool(result) and all(math.isfinite(float(s["value"][1])) for s in result)
 
 
-def chat_stream(server: Server, text: str) -> None:
+def chat_stream(url: str, text: str) -> None:
     """A streaming chat completion, read to the end: fills TTFT and inter-token latency."""
     body = {
         "model": "default",
@@ -102,17 +134,16 @@ def chat_stream(server: Server, text: str) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    with requests.post(
-        server.url + "/v1/chat/completions", json=body, stream=True, timeout=120
-    ) as r:
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=120) as r:
         r.raise_for_status()
         for _ in r.iter_lines():
             pass
 
 
 @pytest.fixture(scope="module")
-def traffic(live_dflash: Server) -> Iterator[None]:
-    """Requests until the module ends, so every rate() window spans live counters."""
+def traffic(live_dflash: Server, router: Router) -> Iterator[None]:
+    """Requests until the module ends, so every rate() window spans live counters; the
+    streamed ones through the router."""
     stop = threading.Event()
     errors: list[Exception] = []
 
@@ -121,7 +152,7 @@ def traffic(live_dflash: Server) -> Iterator[None]:
         while not stop.is_set():
             try:
                 live_dflash.generate(SHORT[i % len(SHORT)], max_new_tokens=24, ignore_eos=True)
-                chat_stream(live_dflash, SHORT[(i + 5) % len(SHORT)])
+                chat_stream(router.url, SHORT[(i + 5) % len(SHORT)])
             except Exception as e:  # noqa: BLE001 - reported by the test, not lost in a thread
                 errors.append(e)
                 return
