@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -75,10 +77,14 @@ def test_host_replicas_divides_the_default_kv_pool(capsys):
 
 
 def _free_block(n: int) -> int:
-    """A port p with p..p+n bindable (best effort: the check in `cluster` is authoritative)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65536 and all(_free(base + i) for i in range(n + 1)):
+    """A port p with p..p+n bindable, below the kernel's ephemeral range: a port from that
+    range can be taken as the source port of any outgoing connection (this test's own
+    polling, the replicas' start-up) in the seconds before a replica binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, low - n - 1)
+        if all(_free(base + i) for i in range(n + 1)):
             return base
     raise RuntimeError("no free port block")
 
