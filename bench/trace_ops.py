@@ -1,9 +1,9 @@
 """ATen calls per model forward in a trace from SGLang's own profiler, and where their time goes.
 
-    SGLANG_TORCH_PROFILER_DIR=/tmp/prof python -m dflash_sglang.launch_server \
+    SGLANG_TORCH_PROFILER_DIR=$PROF python -m dflash_sglang.launch_server \
         --speculative-algorithm NONE &                         # then, during a long request:
     curl -X POST localhost:30000/start_profile -d '{"num_steps": 20, "activities": ["CPU"]}'
-    python bench/trace_ops.py /tmp/prof/*.trace.json.gz
+    python bench/trace_ops.py $PROF/*.trace.json.gz
 
 Counts the top-level `cpu_op` events (an op inside another op is the outer op's cost) on
 the thread that runs `ModelRunner.forward`, inside those forwards, per forward.
