@@ -350,7 +350,7 @@ def main() -> None:
     models = prepare_models(work)
     names = args.arms.split(",")
     prompts = prompt_sets.load_prompts(args.dataset, seed=0, max_chars=2000)
-    config = {k: str(v) for k, v in vars(args).items()} | {"work": str(work)}
+    config = {k: str(v) for k, v in vars(args).items()}
     if args.check:
         config["agreement_fp32"] = agreement(names, models, prompts[: args.check], args, work)
         print(json.dumps(config["agreement_fp32"], indent=1), file=sys.stderr)
