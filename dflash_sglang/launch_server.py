@@ -10,13 +10,15 @@ or `--max-total-tokens` given explicitly wins).
 (so a secret never sits in argv or `ps`): every route then needs `Authorization: Bearer KEY`
 except `/health*` and `/metrics` (SGLang's rule, for probes and scrapers); the `/dflash/`
 page and stats need it too.
-Without `--model-path` it serves the embedded default target. Draft/target mismatches fail
+Without `--model-path` it serves the embedded default target (and its shared suffix lookup
+starts from the bundled corpus of its own replies). Draft/target mismatches fail
 here, before any process is spawned.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -199,6 +201,31 @@ def check_models(args: Sequence[str], options: spec_options.SpecOptions) -> None
         raise LaunchError(str(e)) from e
 
 
+def with_default_corpus(options: spec_options.SpecOptions) -> spec_options.SpecOptions:
+    """Serving the embedded target, the shared suffix lookup starts from its bundled corpus
+    (its own replies to ShareGPT prompts), as if it had served those requests already."""
+    from dflash_sglang import suffix_corpus
+
+    corpus = suffix_corpus.bundled()
+    if corpus is None or not options.shared_tokens:
+        return options
+    return dataclasses.replace(options, suffix_warm=str(corpus))
+
+
+def checked_corpus(options: spec_options.SpecOptions) -> spec_options.SpecOptions:
+    """Read the warm-start corpus once here, so a bad one fails the launch naming the flag
+    rather than a scheduler process; the path goes on absolute."""
+    from dflash_sglang import suffix_corpus
+
+    if not options.suffix_warm:
+        return options
+    try:
+        suffix_corpus.read(options.suffix_warm)
+    except suffix_corpus.CorpusError as e:
+        raise LaunchError(f"--dflash-suffix-warm: {e}") from e
+    return dataclasses.replace(options, suffix_warm=str(Path(options.suffix_warm).resolve()))
+
+
 def host_replicas(env: dict[str, str]) -> int:
     """Servers sharing this host (`DFLASH_HOST_REPLICAS`, set by `dflash_sglang.cluster`):
     the default KV pool takes its share of RAM divided by them."""
@@ -289,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         options = spec_options.from_cli(ours)
     except ValueError as e:
         raise LaunchError(str(e)) from e
+    if ours.dflash_suffix_warm is None and default_target is not None:
+        options = with_default_corpus(options)
+    options = checked_corpus(options)
     check_models(args, options)
     if on_cpu:
         args = with_cpu_kv_pool(args)

@@ -28,6 +28,7 @@ class SpecOptions:
     suffix_max_match: int = 4
     suffix_max_proposal: int | None = None  # None: block size - 1
     suffix_shared: int = DEFAULT_SHARED_TOKENS  # recent outputs the shared lookup holds; 0: off
+    suffix_warm: str = ""  # a corpus (`suffix_corpus`) the shared lookup starts from; "": cold
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
 
@@ -65,6 +66,7 @@ class SpecOptions:
             ENV_PREFIX + "SUFFIX_MAX_MATCH": str(self.suffix_max_match),
             ENV_PREFIX + "SUFFIX_MAX_PROPOSAL": str(self.suffix_max_proposal or ""),
             ENV_PREFIX + "SUFFIX_SHARED": str(self.suffix_shared),
+            ENV_PREFIX + "SUFFIX_WARM": self.suffix_warm,
             ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
             ENV_PREFIX + "KERNELS": self.kernels,
         }
@@ -83,6 +85,7 @@ class SpecOptions:
             suffix_max_match=int(get("SUFFIX_MAX_MATCH") or default.suffix_max_match),
             suffix_max_proposal=int(get("SUFFIX_MAX_PROPOSAL") or 0) or None,
             suffix_shared=int(get("SUFFIX_SHARED") or default.suffix_shared),
+            suffix_warm=get("SUFFIX_WARM"),
             explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
             kernels=get("KERNELS") or default.kernels,
         )
@@ -140,6 +143,20 @@ def _shared_tokens(value: int | None, suffix: str) -> int:
     return value
 
 
+def _suffix_warm(value: str | None, shared_tokens: int) -> str:
+    """A corpus path, "" for a cold start ("none"); given explicitly it needs the shared
+    lookup it fills. An unset flag stays "": the launcher picks the bundled corpus for the
+    embedded target (`launch_server.with_default_corpus`)."""
+    if value is None or value == "none":
+        return ""
+    if not shared_tokens:
+        raise ValueError(
+            "--dflash-suffix-warm needs the shared suffix lookup (--dflash-suffix on and "
+            "--dflash-suffix-shared > 0)"
+        )
+    return value
+
+
 def _widths_arg(text: str) -> tuple[int, ...]:
     try:
         return parse_widths(text)
@@ -191,6 +208,15 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         "with --dflash-suffix on; 0: off)",
     )
     group.add_argument(
+        "--dflash-suffix-warm",
+        default=None,
+        metavar="PATH",
+        help="fill the shared suffix lookup at start-up from past requests and their outputs: "
+        "JSONL(.gz) of prompt_ids/response_ids (token ids, as `training generate` writes) or "
+        "prompt/response text (default: the bundled corpus when serving the embedded default "
+        "model, else none; none: start cold)",
+    )
+    group.add_argument(
         "--dflash-explore-every",
         type=_non_negative("--dflash-explore-every"),
         default=50,
@@ -207,6 +233,7 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
 
 
 def from_cli(ns: argparse.Namespace) -> SpecOptions:
+    shared = _shared_tokens(ns.dflash_suffix_shared, ns.dflash_suffix)
     return SpecOptions(
         adaptive=ns.dflash_adaptive == "on",
         widths=ns.dflash_widths,
@@ -214,7 +241,8 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         suffix_always=ns.dflash_suffix == "always",
         suffix_max_match=ns.dflash_suffix_max_match,
         suffix_max_proposal=ns.dflash_suffix_max_proposal,
-        suffix_shared=_shared_tokens(ns.dflash_suffix_shared, ns.dflash_suffix),
+        suffix_shared=shared,
+        suffix_warm=_suffix_warm(ns.dflash_suffix_warm, shared),
         explore_every=ns.dflash_explore_every,
         kernels=ns.dflash_kernels,
     )

@@ -124,15 +124,45 @@ class SharedSuffixIndex:
         """Tokens held, separators included."""
         return len(self._young) + len(self._old)
 
+    def _document(self, context: Sequence[int], output: Sequence[int]) -> list[int]:
+        doc = [*context[max(len(context) - self.max_match, 0) :], *output]
+        return doc[-(self.capacity // 2 - 1) :]
+
+    def _append(self, index: SuffixIndex, doc: list[int]) -> None:
+        index.extend(doc)
+        index.end_document()
+        self.num_documents += 1
+
     def add(self, context: Sequence[int], output: Sequence[int]) -> None:
-        half = self.capacity // 2
-        doc = [*context[max(len(context) - self.max_match, 0) :], *output][-(half - 1) :]
-        if len(self._young) + len(doc) + 1 > half:
+        doc = self._document(context, output)
+        if len(self._young) + len(doc) + 1 > self.capacity // 2:
             self._old = self._young
             self._young = SuffixIndex(self.max_match, self.max_proposal)
-        self._young.extend(doc)
-        self._young.end_document()
-        self.num_documents += 1
+        self._append(self._young, doc)
+
+    def warm(self, documents: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+        """Start from past (context, output) pairs, oldest first, as if they had just
+        finished: the newest fill the young generation, the next newest the old one, so the
+        index starts as full as `add` could leave it. Only for an empty index; returns how
+        many it holds."""
+        if len(self):
+            raise ValueError("warm() fills an empty index")
+        half = self.capacity // 2
+        young: list[list[int]] = []  # newest first
+        old: list[list[int]] = []
+        filling, used = young, 0
+        for context, output in reversed(documents):
+            doc = self._document(context, output)
+            if used + len(doc) + 1 > half:
+                if filling is old:
+                    break
+                filling, used = old, 0
+            filling.append(doc)
+            used += len(doc) + 1
+        for index, docs in ((self._old, old), (self._young, young)):
+            for doc in reversed(docs):
+                self._append(index, doc)
+        return len(young) + len(old)
 
     def propose(self, text: Sequence[int]) -> SuffixProposal | None:
         """What followed the longest suffix of `text` in another request's output; the

@@ -50,7 +50,7 @@ from sglang.srt.speculative.spec_utils import (
     draft_tp_context,
 )
 
-from dflash_sglang import acceptance, draft_vocab, kv_injection, platform
+from dflash_sglang import acceptance, draft_vocab, kv_injection, platform, suffix_corpus
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
 from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
@@ -120,6 +120,8 @@ class DFlashXWorker(DFlashWorkerV2):
                 self.options.suffix_max_match,
                 self.options.max_proposal(self.block_size),
             )
+            if self.options.suffix_warm:
+                self._warm_shared(server_args)
         self._previous_reqs: list = []  # the last decode batch's requests (shared lookup)
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
@@ -274,6 +276,26 @@ class DFlashXWorker(DFlashWorkerV2):
                 proposal = better(proposal, self._shared.propose(index.tail(index.max_match)))
             out.append(proposal)
         return out
+
+    def _warm_shared(self, server_args) -> None:
+        """The shared index starts from a corpus of past requests (`--dflash-suffix-warm`);
+        every TP rank reads the same file, so every rank's index is the same."""
+        start = time.perf_counter()
+        docs = suffix_corpus.load(
+            self.options.suffix_warm,
+            server_args.tokenizer_path or server_args.model_path,
+            server_args.trust_remote_code,
+        )
+        added = self._shared.warm(docs)
+        logger.info(
+            "DFLASH_X shared suffix lookup warmed from %s: the last %d of %d requests, "
+            "%d tokens, in %.1f s",
+            self.options.suffix_warm,
+            added,
+            len(docs),
+            len(self._shared),
+            time.perf_counter() - start,
+        )
 
     def _share_finished(self, reqs) -> None:
         """Outputs of requests that left the batch finished join the shared index, in batch

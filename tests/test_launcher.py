@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from dflash_sglang.launch_server import flag_value, resolve_args
+from dflash_sglang import suffix_corpus
+from dflash_sglang.launch_server import (
+    LaunchError,
+    checked_corpus,
+    flag_value,
+    resolve_args,
+    with_default_corpus,
+)
+from dflash_sglang.options import SpecOptions
 
 
 def test_defaults_are_added_only_when_absent():
@@ -70,6 +78,22 @@ def test_embedded_default_target_and_draft():
     assert flag_value(no_draft, "--speculative-algorithm") is None
 
 
+def test_the_embedded_target_starts_warm_from_its_bundled_corpus(tmp_path, capsys):
+    bundled = str(suffix_corpus.bundled())
+    assert with_default_corpus(SpecOptions()).suffix_warm == bundled
+    cold = SpecOptions(suffix_shared=0)
+    assert with_default_corpus(cold) == cold  # nothing to fill
+    relative = tmp_path / "past.jsonl"
+    relative.write_text('{"prompt": "a", "response": "b"}\n')
+    assert checked_corpus(SpecOptions(suffix_warm=str(relative))).suffix_warm == str(relative)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n')
+    with pytest.raises(LaunchError):
+        checked_corpus(SpecOptions(suffix_warm=str(bad)))
+    err = capsys.readouterr().err
+    assert "error: --dflash-suffix-warm: " in err and "bad.jsonl:1: a record needs" in err
+
+
 def _launch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dflash_sglang.launch_server", *args],
@@ -103,6 +127,14 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
         (lambda m, t: ["--dflash-widths", "1,x"], "--dflash-widths"),
         (lambda m, t: ["--dflash-adaptive", "maybe"], "--dflash-adaptive"),
         (lambda m, t: ["--dflash-suffix-max-match", "0"], "--dflash-suffix-max-match"),
+        (
+            lambda m, t: ["--dflash-suffix-warm", str(t / "absent.jsonl")],
+            "--dflash-suffix-warm: ",
+        ),
+        (
+            lambda m, t: ["--dflash-suffix-shared", "0", "--dflash-suffix-warm", "x.jsonl"],
+            "--dflash-suffix-warm needs the shared suffix lookup",
+        ),
         (
             lambda m, t: ["--dflash-suffix", "off", "--dflash-suffix-shared", "4096"],
             "--dflash-suffix-shared needs --dflash-suffix on",

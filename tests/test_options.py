@@ -96,3 +96,14 @@ def test_shared_lookup_is_on_with_the_suffix_source_and_needs_it():
     assert _parse("--dflash-suffix", "always", "--dflash-suffix-shared", "4096").shared_tokens
     off = _parse("--dflash-suffix-shared", "0")
     assert SpecOptions.from_env(off.to_env()) == off
+
+
+def test_warm_corpus_needs_the_shared_lookup_and_none_starts_cold():
+    assert _parse().suffix_warm == "" == _parse("--dflash-suffix-warm", "none").suffix_warm
+    warm = _parse("--dflash-suffix-warm", "/data/past.jsonl.gz")
+    assert warm.suffix_warm == "/data/past.jsonl.gz"
+    assert SpecOptions.from_env(warm.to_env()) == warm
+    for cold in (("--dflash-suffix-shared", "0"), ("--dflash-suffix", "off")):
+        with pytest.raises(ValueError, match="--dflash-suffix-warm needs the shared suffix"):
+            _parse(*cold, "--dflash-suffix-warm", "/data/past.jsonl.gz")
+        assert _parse(*cold, "--dflash-suffix-warm", "none").suffix_warm == ""

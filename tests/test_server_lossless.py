@@ -6,6 +6,7 @@ for token. One AR and one DFLASH_X server are shared by every test here.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -173,12 +174,22 @@ def test_constrained_decoding_and_logprobs_match_plain_decoding(servers):
 REPETITIVE = [" ".join([SHORT[i]] * 4) for i in range(4)]
 
 
+# A request the `mixed` server has "served before it started": in its warm-start corpus.
+WARM_PROMPT = [7, 301, 45, 118, 9, 260, 33, 402, 88, 150]
+
+
 @pytest.fixture(scope="module")
 def variants(models, servers, tmp_path_factory):
     """DFLASH_X pinned to plain decoding (width 1), and with suffix proposals (own text and
     finished requests' outputs) taken whenever one exists while the width changes every
-    other step (exploration every 2 steps)."""
+    other step (exploration every 2 steps), its shared lookup warmed from a corpus holding
+    the plain server's reply to `WARM_PROMPT`."""
     logs = tmp_path_factory.mktemp("variant_logs")
+    reply = servers[0].generate(input_ids=WARM_PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
+    corpus = logs / "warm.jsonl"
+    record = {"prompt_ids": WARM_PROMPT, "response_ids": reply["output_ids"]}
+    corpus.write_text(json.dumps({"prompt": "unrelated", "response": "text"}) + "\n")
+    corpus.write_text(corpus.read_text() + json.dumps(record) + "\n")
     common = ["--model-path", str(models["target"]), "--dtype", "float32"]
     common += ["--max-total-tokens", POOL_TOKENS, "--speculative-draft-model-path"]
     common += [str(models["draft"])]
@@ -186,7 +197,8 @@ def variants(models, servers, tmp_path_factory):
     try:
         mixed = Server(
             [*common, "--dflash-suffix", "always", "--dflash-widths", "1,2,3,4"]
-            + ["--dflash-explore-every", "2", "--dflash-suffix-shared", "4096"],
+            + ["--dflash-explore-every", "2", "--dflash-suffix-shared", "4096"]
+            + ["--dflash-suffix-warm", str(corpus)],
             logs / "mixed.log",
         )
     except Exception:
@@ -251,6 +263,21 @@ def test_shared_lookup_proposes_finished_outputs_losslessly(servers, variants):
     assert deltas.get(server_metrics.sample_key("dflash_num_accepted_tokens_total", shared), 0) > 0
     stats = requests.get(f"{mixed.url}/dflash/stats", timeout=10).json()
     assert stats["since_start"]["tau_by_source"]["shared"] > 1.0
+
+
+def test_a_warm_shared_lookup_proposes_from_its_corpus_at_once(servers, variants):
+    """The first request of a prompt in the corpus is proposed its recorded reply."""
+    ar, _ = servers
+    mixed = variants["mixed"]
+    before = server_metrics.scrape(mixed.url)
+    out = mixed.generate(input_ids=WARM_PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
+    expected = ar.generate(input_ids=WARM_PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert out["output_ids"] == expected["output_ids"]
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(mixed.url))
+    shared = {"source": "shared"}
+    accepted = deltas.get(server_metrics.sample_key("dflash_num_accepted_tokens_total", shared), 0)
+    assert accepted >= MAX_NEW // 2, f"{accepted} of {MAX_NEW} tokens from the corpus"
+    assert "shared suffix lookup warmed from" in mixed.log_path.read_text()
 
 
 def test_suffix_proposals_keep_sampling_valid(variants):

@@ -208,3 +208,26 @@ def test_replay_with_a_shared_index_learns_from_earlier_outputs():
     shared.add([1, 2, 3], output)
     # Second time: the prompt's tail finds the first output, accepted whole (+ no bonus left).
     assert replay_tau([1, 2, 3], output, shared=shared) == (8.0, 1.0)
+
+
+def test_warm_starts_as_full_as_capacity_allows_with_the_newest_documents():
+    # 6 tokens per document with its separator: 3 fit in each generation of 20.
+    docs = [([], [100 + i, 200 + i, 300, 400, 500]) for i in range(10)]
+    warmed = SharedSuffixIndex(capacity=40, max_match=1, max_proposal=3)
+    assert warmed.warm(docs) == 6
+    assert len(warmed) == 36
+    for i in range(10):  # the newest 6 are found, the older ones were never added
+        proposal = warmed.propose([100 + i])
+        assert proposal == (SuffixProposal((200 + i, 300, 400), 1, 1, True) if i >= 4 else None)
+    one_by_one = SharedSuffixIndex(capacity=40, max_match=1, max_proposal=3)
+    for context, output in docs:
+        one_by_one.add(context, output)
+    assert len(one_by_one) < len(warmed)  # adding them one by one ends after an eviction
+    # Later documents go on as if the warm ones had been added: the oldest 3 leave first.
+    warmed.add([], [700, 701, 702, 703, 704])
+    assert warmed.propose([104]) is None and warmed.propose([107]) is not None
+    assert warmed.propose([700]) == SuffixProposal((701, 702, 703), 1, 1, True)
+    assert SharedSuffixIndex(capacity=1000).warm(docs) == len(docs)
+    assert SharedSuffixIndex(capacity=1000).warm([]) == 0
+    with pytest.raises(ValueError, match="empty index"):
+        warmed.warm(docs)
