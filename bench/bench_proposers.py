@@ -9,8 +9,11 @@ the arms take turns on (order rotated per slice), so machine noise hits all arms
 No server sees a prompt twice (each level takes the next prompts of the set): a shared
 suffix index must not be credited for replaying an output it already holds. Arms:
   ar        --speculative-algorithm NONE
-  dx        DFLASH_X as launched by default (adaptive width, suffix lookup over the
-            request's own text and over finished requests' outputs)
+  dx        DFLASH_X as launched by default with the embedded model (adaptive width, suffix
+            lookup over the request's own text and over finished requests' outputs, the
+            latter warm from the bundled corpus)
+  cold      the same, the shared lookup starting empty (--dflash-suffix-warm none: the
+            default before the corpus was bundled, and for models given by path)
   adaptive  adaptive width, DFlash block only (--dflash-suffix off)
   fixed     the whole block every step, DFlash only (--dflash-adaptive off --dflash-suffix off)
   own       the default launch without the shared lookup (--dflash-suffix-shared 0), the
@@ -30,14 +33,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dflash_sglang import suffix_corpus
 from dflash_sglang.loadtest import server_metrics
 from dflash_sglang.managed_server import Server
 from dflash_sglang.metrics import ACCEPTED, DRAFTS, PLAIN_STEPS, STEP_WIDTH, STEPS, tau
 from dflash_sglang.proposals import SOURCES
 
+# The benchmarks pass --model-path, so the embedded model's default corpus is named here.
+WARM = ["--dflash-suffix-warm", str(suffix_corpus.bundled())]
 ARMS = {
     "ar": ["--speculative-algorithm", "NONE"],
-    "dx": [],
+    "dx": WARM,
+    "cold": ["--dflash-suffix-warm", "none"],
     "adaptive": ["--dflash-suffix", "off"],
     "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
     "own": ["--dflash-suffix-shared", "0"],

@@ -74,3 +74,17 @@ def test_the_bundled_corpus_is_the_default_targets_own_replies():
     assert all(max(p + r) < 49152 for p, r in docs)  # SmolLM2's vocabulary
     # Each prompt ends at the chat template's assistant header, where a reply starts.
     assert {tuple(p[-3:]) for p, _ in docs} == {(520, 9531, 198)}  # "assistant\n"
+
+
+def test_the_bundled_corpus_shares_no_13_word_run_with_any_held_out_prompt(converted):
+    """The benchmarks' prompt sets measure a warm server on traffic it has not seen."""
+    from transformers import AutoTokenizer
+
+    from dflash_sglang import datasets
+    from dflash_sglang.training.data import _ngrams
+
+    tokenizer = AutoTokenizer.from_pretrained(converted[0])
+    docs = suffix_corpus.documents(suffix_corpus.read(suffix_corpus.bundled()))
+    grams = set().union(*(_ngrams(tokenizer.decode(p + r)) for p, r in docs))
+    for load in (datasets.mt_bench, datasets.humaneval, datasets.math_problems, datasets.summaries):
+        assert not [t for t in load() if _ngrams(t) & grams], load.__name__
