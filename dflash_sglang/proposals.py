@@ -18,8 +18,12 @@ spends an earned budget: its extra predicted time stays under `explore_budget` (
 time of the steps it chose to exploit.
 
 Expected emitted tokens for request r at width w (notation of `adaptive`):
-  E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs, S_suffix[m_r][:min(w-1, L_r)].sum())
-where m_r and L_r are the match length and length of r's suffix proposal (own or shared).
+  E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs,
+                   max over r's suffix proposals p of S_src(p)[m_p][:min(w-1, L_p)].sum())
+where src(p) is own text or shared, m_p and L_p the match length and length of proposal p.
+A request may bring both lookups' proposals: which one it takes is learned, not fixed by
+match length (a large shared index matches long but predicts worse than a request's own
+text; measured in README).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import TypeAlias
 
 from dflash_sglang.adaptive import AcceptanceStats, CostModel
 from dflash_sglang.suffix import SuffixProposal
@@ -35,6 +40,14 @@ DFLASH = "dflash"
 SUFFIX = "suffix"  # lookup over the request's own prompt and output
 SHARED = "shared"  # lookup over other requests' outputs
 SOURCES = (DFLASH, SUFFIX, SHARED)
+# A request's suffix proposals: none, one, or one per lookup (own text, shared).
+Candidates: TypeAlias = SuffixProposal | tuple[SuffixProposal, ...] | None
+
+
+def candidates(proposals: Candidates) -> tuple[SuffixProposal, ...]:
+    if proposals is None:
+        return ()
+    return (proposals,) if isinstance(proposals, SuffixProposal) else tuple(proposals)
 
 
 @dataclass(frozen=True)
@@ -44,19 +57,28 @@ class StepPlan:
     suffix: tuple[SuffixProposal | None, ...]  # per request: the suffix proposal it takes
     predicted_seconds: float
     explored: bool = False  # chosen to measure, not because it scored best
-    proposals: tuple[SuffixProposal | None, ...] = ()  # every request's, taken or not
+    proposals: tuple[tuple[SuffixProposal, ...], ...] = ()  # every request's, taken or not
 
-    def choice(self) -> tuple[int, bool, tuple[bool, ...]]:
-        """What differs between ranks' planners: (width, run_draft, takes suffix per request)."""
-        return self.width, self.run_draft, tuple(p is not None for p in self.suffix)
+    def choice(self) -> tuple[int, bool, tuple[int, ...]]:
+        """What differs between ranks' planners: (width, run_draft, per request the index of
+        the suffix proposal it takes among its candidates, -1 for none)."""
+        return self.width, self.run_draft, self._taken()
 
-    def with_choice(self, choice: tuple[int, bool, tuple[bool, ...]]) -> StepPlan:
+    def _taken(self) -> tuple[int, ...]:
+        return tuple(
+            -1 if p is None else next(i for i, c in enumerate(cands) if c is p)
+            for p, cands in zip(self.suffix, self.proposals, strict=True)
+        )
+
+    def with_choice(self, choice: tuple[int, bool, tuple[int, ...]]) -> StepPlan:
         """This plan with another rank's choice (its proposals are the same on every rank)."""
-        width, run_draft, takes = choice
-        if takes == tuple(p is not None for p in self.suffix):
+        width, run_draft, taken = choice
+        if taken == self._taken():
             suffix = self.suffix
         else:  # the other rank chose per request with its own statistics: same proposals
-            suffix = tuple(p if t else None for p, t in zip(self.proposals, takes, strict=True))
+            suffix = tuple(
+                cands[i] if i >= 0 else None for i, cands in zip(taken, self.proposals, strict=True)
+            )
         return replace(self, width=width, run_draft=run_draft, suffix=suffix)
 
     def source(self, r: int) -> str | None:
@@ -120,7 +142,9 @@ class Planner:
             opts += [_Option(w, False) for w in self.widths if w > 1]
         return opts
 
-    def plan(self, proposals: Sequence[SuffixProposal | None]) -> StepPlan:
+    def plan(self, proposals: Sequence[Candidates]) -> StepPlan:
+        """`proposals[r]`: request r's suffix proposals (`Candidates`)."""
+        proposals = [candidates(p) for p in proposals]
         bs = len(proposals)
         gain_dflash = [0.0, *accumulate(self.dflash.survival())]  # gain[n] = sum S[:n]
         gains = {
@@ -128,21 +152,22 @@ class Planner:
             for shared, stats in ((False, self.suffix), (True, self.shared))
         }
         suffix_gain = [
-            (gains[p.shared][p.match_len - 1], len(p.tokens)) if p is not None else None
-            for p in proposals
+            [(gains[p.shared][p.match_len - 1], len(p.tokens)) for p in cands]
+            for cands in proposals
         ]
 
-        def expected(opt: _Option, r: int) -> tuple[float, bool]:
-            """(E_r(w) - 1, takes the suffix proposal)."""
+        def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None]:
+            """(E_r(w) - 1, the suffix proposal taken or None); ties go to the earlier
+            candidate (own text before shared) and to the drafter."""
             n = opt.width - 1
             dflash = gain_dflash[n] if opt.run_draft else 0.0
-            if suffix_gain[r] is None:
-                return dflash, False
-            gain, length = suffix_gain[r]
-            suffix = gain[min(n, length)]
-            if self.prefer_suffix or suffix > dflash:
-                return suffix, True
-            return dflash, False
+            best, taken = -1.0, None
+            for p, (gain, length) in zip(proposals[r], suffix_gain[r], strict=True):
+                if gain[min(n, length)] > best:
+                    best, taken = gain[min(n, length)], p
+            if taken is not None and (self.prefer_suffix or best > dflash):
+                return best, taken
+            return dflash, None
 
         def seconds(opt: _Option) -> float:
             drafted = bs * self.block_size if opt.run_draft else 0
@@ -151,13 +176,13 @@ class Planner:
         def score(opt: _Option) -> float:
             return sum(1.0 + expected(opt, r)[0] for r in range(bs)) / seconds(opt)
 
-        options = self.options(any(p is not None for p in proposals))
+        options = self.options(any(proposals))
         chosen, explored = self._choose({opt: score(opt) for opt in options}, seconds)
-        takes_suffix = [expected(chosen, r)[1] for r in range(bs)]
+        taken = tuple(expected(chosen, r)[1] for r in range(bs))
         return StepPlan(
             width=chosen.width,
-            run_draft=chosen.run_draft and not all(takes_suffix),
-            suffix=tuple(p if t else None for p, t in zip(proposals, takes_suffix, strict=True)),
+            run_draft=chosen.run_draft and not all(p is not None for p in taken),
+            suffix=taken,
             predicted_seconds=seconds(chosen),
             explored=explored,
             proposals=tuple(proposals),

@@ -179,7 +179,8 @@ class SharedSuffixIndex:
 
 
 def better(own: SuffixProposal | None, shared: SuffixProposal | None) -> SuffixProposal | None:
-    """The longer match wins; the request's own text on ties (it predicted better offline)."""
+    """The offline replay's choice, without acceptance statistics: the longer match wins, the
+    request's own text on ties. (The server's planner chooses by learned acceptance.)"""
     if shared is None or (own is not None and own.match_len >= shared.match_len):
         return own
     return shared

@@ -56,7 +56,7 @@ from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
 from dflash_sglang.options import SpecOptions
 from dflash_sglang.proposals import Planner, StepPlan
-from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal, better
+from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal
 
 logger = logging.getLogger(__name__)
 
@@ -245,15 +245,16 @@ class DFlashXWorker(DFlashWorkerV2):
             return plan
         return plan.with_choice(group.broadcast_object(plan.choice(), src=0))
 
-    def _suffix_proposals(self, batch, host_lens) -> list[SuffixProposal | None]:
-        """Each request's index catches up with its committed text, then looks itself up.
+    def _suffix_proposals(self, batch, host_lens) -> list[tuple[SuffixProposal, ...]]:
+        """Each request's index catches up with its committed text, then looks itself up,
+        and up in the shared index: the planner takes the proposal it expects more from.
 
         The text must end at the pending bonus token (the block's anchor, the one committed
         token without KV yet): with overlap scheduling `output_ids` trails by a step, and
         such a request gets no proposal. Checked on host lengths, so no device sync.
         """
         if not self.options.suffix:
-            return [None] * len(batch.reqs)
+            return [()] * len(batch.reqs)
         if self._shared is not None:
             self._share_finished(batch.reqs)
         out = []
@@ -269,12 +270,12 @@ class DFlashXWorker(DFlashWorkerV2):
                 index.extend(prompt[done:])
             index.extend(req.output_ids[len(index) - len(prompt) :])
             if len(index) != kv_len + 1:  # not at the anchor
-                out.append(None)
+                out.append(())
                 continue
-            proposal = index.propose()
+            found = [index.propose()]
             if self._shared is not None:
-                proposal = better(proposal, self._shared.propose(index.tail(index.max_match)))
-            out.append(proposal)
+                found.append(self._shared.propose(index.tail(index.max_match)))
+            out.append(tuple(p for p in found if p is not None))
         return out
 
     def _warm_shared(self, server_args) -> None:

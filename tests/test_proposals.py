@@ -216,6 +216,21 @@ def test_shared_proposals_keep_their_own_statistics_and_source():
     assert picked.offered(0) == 3
 
 
+def test_between_own_and_shared_proposals_the_learned_better_one_is_taken():
+    """A long shared match loses to a shorter own-text match whose source accepts more."""
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    own, shared = _proposal(BLOCK - 1, match_len=2), SuffixProposal((9,) * 15, 4, 1, True)
+    assert planner.plan([(own, shared)]).suffix == (own,)  # equal priors: own text first
+    for _ in range(40):
+        planner.shared[3].observe(BLOCK - 1, BLOCK - 1)
+    assert planner.plan([(own, shared)]).suffix == (shared,)
+    for _ in range(40):
+        planner.shared[3].observe(0, 4)
+        planner.suffix[1].observe(4, 4)
+    plan = planner.plan([(own, shared), (shared,)])
+    assert plan.suffix[0] is own and plan.source(0) == SUFFIX
+
+
 def test_observe_ignores_requests_that_verified_nothing():
     planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
     planner.observe(StepPlan(1, False, (_proposal(3), None), 0.1), [0, 0])
@@ -273,10 +288,13 @@ def test_another_ranks_choice_reuses_this_ranks_proposals():
     planner = Planner(4, (1, 2, 4), CostModel(DEFAULT_CPU_PRIOR))
     proposals = [SuffixProposal((5, 6, 7), 2, 1), None]
     plan = planner.plan(proposals)
-    other = plan.with_choice((2, True, (False, False)))
+    other = plan.with_choice((2, True, (-1, -1)))
     assert (other.width, other.run_draft, other.suffix) == (2, True, (None, None))
-    back = other.with_choice((4, False, (True, False)))
-    assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (True, False))
+    back = other.with_choice((4, False, (0, -1)))
+    assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (0, -1))
+    both = [(SuffixProposal((5,), 1, 1), SuffixProposal((6, 7), 4, 1, shared=True))]
+    shared = planner.plan(both).with_choice((4, False, (1,)))
+    assert shared.suffix == both[0][1:] and shared.choice() == (4, False, (1,))
 
 
 def test_exploration_spends_at_most_its_budget_of_step_time():
