@@ -24,6 +24,8 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
                                                    (requests and radix cache)
   dflash_radix_reused_draft_kv_tokens_total        prompt tokens whose draft KV came from the
                                                    radix cache instead of being injected again
+  dflash_suffix_shared_tokens                      gauge: tokens the shared suffix lookup holds
+                                                   (warm-start corpus and finished outputs)
 
 Ratios are not exported; compute them over any window w (the bonus token is included in τ;
 sum over `source` for both sources together, or keep it for τ per source):
@@ -54,6 +56,7 @@ STEPS = PREFIX + "num_steps_total"
 PLAIN_STEPS = PREFIX + "num_plain_steps_total"
 STEP_WIDTH = PREFIX + "step_verify_width"
 VERIFY_WIDTH = PREFIX + "verify_width"
+SHARED_TOKENS = PREFIX + "suffix_shared_tokens"
 TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -157,6 +160,11 @@ class PrometheusMetrics:
             "Draft-KV rows holding injected target features (running and radix-cached).",
             multiprocess_mode="mostrecent",
         )
+        self.shared_tokens = Gauge(
+            SHARED_TOKENS,
+            "Tokens the shared suffix lookup holds (warm-start corpus and finished outputs).",
+            multiprocess_mode="mostrecent",
+        )
         self.radix_reused = Counter(
             PREFIX + "radix_reused_draft_kv_tokens",
             "Prompt tokens whose draft KV was reused from the radix cache, not re-injected.",
@@ -213,3 +221,6 @@ class PrometheusMetrics:
 
     def set_draft_kv_rows(self, rows: int) -> None:
         self.draft_kv_rows.set(rows)
+
+    def set_shared_tokens(self, tokens: int) -> None:
+        self.shared_tokens.set(tokens)

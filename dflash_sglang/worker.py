@@ -138,6 +138,8 @@ class DFlashXWorker(DFlashWorkerV2):
         if server_args.enable_metrics and get_parallel().attn_tp_rank == 0:
             self.metrics = PrometheusMetrics(max_verify_width=int(self.block_size))
             self.step_observers.append(self._export_step)
+            if self._shared is not None:
+                self.metrics.set_shared_tokens(len(self._shared))
         logger.info(
             "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s %s",
             self.block_size,
@@ -302,10 +304,14 @@ class DFlashXWorker(DFlashWorkerV2):
         """Outputs of requests that left the batch finished join the shared index, in batch
         order: every TP rank sees the same batches, so every rank's index is the same."""
         present = {id(req) for req in reqs}
+        added = False
         for req in self._previous_reqs:
             if id(req) not in present and req.finished():
                 self._shared.add(req.origin_input_ids, req.output_ids)
+                added = True
         self._previous_reqs = list(reqs)
+        if added and self.metrics is not None:
+            self.metrics.set_shared_tokens(len(self._shared))
 
     def _observe_step_start(self) -> float:
         """Step cost for the planner: from one decode step's start to the next, scheduler

@@ -45,6 +45,7 @@ class Snapshot:
     width_count: float = 0.0
     generated_tokens: float = 0.0
     verify_width: float | None = None
+    shared_tokens: float | None = None  # the shared suffix lookup's size (a gauge)
 
     def tokens_since(self, old: Snapshot) -> float:
         """Output tokens after `old`. SGLang's generation counter moves only when a request
@@ -68,18 +69,21 @@ _TOTALS = {
 }
 
 
+_GAUGES = {metrics.VERIFY_WIDTH: "verify_width", metrics.SHARED_TOKENS: "shared_tokens"}
+
+
 def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) -> Snapshot:
     """Fold Prometheus samples (name, labels, value) into one snapshot; labels are summed."""
     totals: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     by_source: dict[str, dict[str, float]] = {metrics.DRAFTS: {}, metrics.ACCEPTED: {}}
-    width = None
+    gauges: dict[str, float] = {}
     for name, labels, value in samples:
         if name == metrics.ACCEPTED_PER_POS:
             k = int(labels["position"])
             per_pos[k] = per_pos.get(k, 0.0) + value
-        elif name == metrics.VERIFY_WIDTH:
-            width = value
+        elif name in _GAUGES:
+            gauges[_GAUGES[name]] = value
         elif name in _TOTALS:
             totals[_TOTALS[name]] = totals.get(_TOTALS[name], 0.0) + value
         if name in by_source and "source" in labels:
@@ -90,7 +94,7 @@ def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) ->
         accepted_per_pos=per_pos,
         drafts_by_source=by_source[metrics.DRAFTS],
         accepted_by_source=by_source[metrics.ACCEPTED],
-        verify_width=width,
+        **gauges,
         **totals,
     )
 
@@ -142,6 +146,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         ),
         "seconds": seconds if old is not None else None,
         "verify_width": new.verify_width,
+        "suffix_shared_tokens": new.shared_tokens,
         "mean_verify_width": _mean_width(new, base),
         "speculation_off_share": (new.plain_steps - base.plain_steps) / steps if steps else None,
     }

@@ -277,6 +277,8 @@ def test_a_warm_shared_lookup_proposes_from_its_corpus_at_once(servers, variants
     shared = {"source": "shared"}
     accepted = deltas.get(server_metrics.sample_key("dflash_num_accepted_tokens_total", shared), 0)
     assert accepted >= MAX_NEW // 2, f"{accepted} of {MAX_NEW} tokens from the corpus"
+    held = server_metrics.scrape(mixed.url).gauges["dflash_suffix_shared_tokens"]
+    assert len(WARM_PROMPT) + MAX_NEW <= held <= 4096  # at least the corpus's record + this
     assert "shared suffix lookup warmed from" in mixed.log_path.read_text()
 
 

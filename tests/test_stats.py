@@ -37,6 +37,7 @@ def _samples(
         ("dflash_step_verify_width_count", {}, request_steps if steps is None else steps),
         ("sglang:generation_tokens_total", {"model_name": "m"}, generated),
         ("dflash_verify_width", {}, 4.0),
+        ("dflash_suffix_shared_tokens", {}, 1000.0),
     ]
 
 
@@ -48,6 +49,7 @@ def test_since_start_and_window():
     assert start["acceptance_rate"] == pytest.approx(22 / 90)
     assert start["acceptance_by_position"] == pytest.approx([16 / 30, 5 / 30, 1 / 30])
     assert start["output_tokens_per_s"] is None and start["verify_width"] == 4.0
+    assert start["suffix_shared_tokens"] == 1000.0
     window = summarize(new, old)
     assert window["request_steps"] == 20
     assert window["tau"] == pytest.approx(1 + 10 / 20)
