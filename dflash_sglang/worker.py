@@ -138,8 +138,7 @@ class DFlashXWorker(DFlashWorkerV2):
         if server_args.enable_metrics and get_parallel().attn_tp_rank == 0:
             self.metrics = PrometheusMetrics(max_verify_width=int(self.block_size))
             self.step_observers.append(self._export_step)
-            if self._shared is not None:
-                self.metrics.set_shared_tokens(len(self._shared))
+            self.metrics.set_shared_tokens(len(self._shared) if self._shared is not None else 0)
         logger.info(
             "DFLASH_X worker ready: block_size=%d mask_token_id=%d draft=%s %s",
             self.block_size,
