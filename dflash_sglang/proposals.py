@@ -152,7 +152,7 @@ class Planner:
             for shared, stats in ((False, self.suffix), (True, self.shared))
         }
         suffix_gain = [
-            [(gains[p.shared][p.match_len - 1], len(p.tokens)) for p in cands]
+            [(gains[p.shared][p.match_len - 1], len(p.tokens), p) for p in cands]
             for cands in proposals
         ]
 
@@ -161,12 +161,11 @@ class Planner:
             candidate (own text before shared) and to the drafter."""
             n = opt.width - 1
             dflash = gain_dflash[n] if opt.run_draft else 0.0
-            best, taken = -1.0, None
-            for p, (gain, length) in zip(proposals[r], suffix_gain[r], strict=True):
-                if gain[min(n, length)] > best:
-                    best, taken = gain[min(n, length)], p
-            if taken is not None and (self.prefer_suffix or best > dflash):
-                return best, taken
+            scored = [(gain[min(n, length)], p) for gain, length, p in suffix_gain[r]]
+            if scored:
+                best, taken = max(scored, key=lambda s: s[0])  # the first of equals
+                if self.prefer_suffix or best > dflash:
+                    return best, taken
             return dflash, None
 
         def seconds(opt: _Option) -> float:
