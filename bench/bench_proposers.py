@@ -55,6 +55,9 @@ ARMS = {
     # DFlash block at a fixed narrow width: what a step that drafts costs against its gain.
     "width2": ["--dflash-widths", "2", "--dflash-suffix", "off"],
     "width4": ["--dflash-widths", "4", "--dflash-suffix", "off"],
+    # The target's decode/verify forward as SGLang runs it, uncompiled (before/after).
+    "ar_eager": ["--speculative-algorithm", "NONE", "--dflash-cpu-compile", "off"],
+    "dx_eager": [*WARM, "--dflash-cpu-compile", "off"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 

@@ -3,7 +3,8 @@
 Every SGLang server argument passes through unchanged. Added defaults (each only when the
 flag is absent): `--speculative-algorithm DFLASH_X` (when a draft is given), `--enable-metrics`,
 `--host 127.0.0.1`, `--device` from the machine, the platform's attention backend, and on
-CPU `--sleep-on-idle` and `--max-total-tokens` sized for 8 full contexts of target + draft KV
+CPU the target's decode/verify forward compiled (`--dflash-cpu-compile`), `--sleep-on-idle`
+and `--max-total-tokens` sized for 8 full contexts of target + draft KV
 within 25% of host RAM (SGLang's own CPU default takes ~70% of RAM; `--mem-fraction-static`
 or `--max-total-tokens` given explicitly wins).
 `$DFLASH_API_KEY` (or the file `$DFLASH_API_KEY_FILE` names), when set, becomes `--api-key`
@@ -59,6 +60,13 @@ def our_parser() -> argparse.ArgumentParser:
         default=None,
         help="where the embedded default model is converted and cached "
         "(default: $DFLASH_SGLANG_CACHE or ~/.cache/dflash_sglang)",
+    )
+    group.add_argument(
+        "--dflash-cpu-compile",
+        choices=("on", "off"),
+        default="on",
+        help="CPU: run the target's decode and verify forwards compiled by torch.compile "
+        "(Llama-architecture targets, one rank; compiled during start-up; default: on)",
     )
     spec_options.add_cli_args(group)
     return parser
@@ -292,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from dflash_sglang import cpu_platform
 
         os.environ.update(cpu_platform.child_environment(dict(os.environ)))
+        os.environ[cpu_platform.COMPILE_ENV] = ours.dflash_cpu_compile
         cpu_platform.install_sgl_kernel_shim()
     if ours.help:
         print_help()

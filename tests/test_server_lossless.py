@@ -22,18 +22,26 @@ MAX_NEW = 24
 POOL_TOKENS = "2400"
 
 
+def _common(models) -> list[str]:
+    return ["--model-path", str(models["target"]), "--dtype", "float32"]
+
+
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    common = [
-        "--model-path",
-        str(models["target"]),
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        POOL_TOKENS,
-    ]
+    common = [*_common(models), "--max-total-tokens", POOL_TOKENS]
     with ar_and_dflash(common, models["draft"], tmp_path_factory.mktemp("logs")) as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def sglang_forward(models, tmp_path_factory):
+    """Plain decoding through SGLang's own eager target forward (our compiled one off)."""
+    log = tmp_path_factory.mktemp("logs") / "sglang_forward.log"
+    server = Server(
+        [*_common(models), "--speculative-algorithm", "NONE", "--dflash-cpu-compile", "off"], log
+    )
+    yield server
+    server.stop()
 
 
 def _ids(server: Server, text: str, max_new: int = MAX_NEW) -> list[int]:
@@ -288,3 +296,19 @@ def test_suffix_proposals_keep_sampling_valid(variants):
         out = mixed.generate(REPETITIVE[1], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
         assert len(out["output_ids"]) == MAX_NEW
         assert all(0 <= t < 512 for t in out["output_ids"])
+
+
+COMPILED = "Target decode/verify forward: compiled"
+
+
+def test_the_compiled_target_forward_computes_what_sglangs_does(servers, sglang_forward):
+    """On CPU the target's decode and verify run our compiled decoder stack by default (both
+    servers above); in float32 it gives SGLang's own forward's tokens, alone and batched."""
+    ar, dx = servers
+    assert COMPILED in ar.log_path.read_text() and COMPILED in dx.log_path.read_text()
+    assert COMPILED not in sglang_forward.log_path.read_text()
+    texts = [SHARED_PREFIX + " " + t for t in SHORT[:6]]
+    with ThreadPoolExecutor(6) as pool:
+        batched = list(pool.map(lambda t: _ids(sglang_forward, t), texts))
+    assert batched == [_ids(ar, t) for t in texts]
+    assert _ids(sglang_forward, LONG) == _ids(ar, LONG)

@@ -8,6 +8,7 @@ Active only on CPU. Pieces:
 - `triton_fallbacks`: torch versions of the Triton kernels the DFlash path calls, so no
   Triton interpreter runs on the serving hot path.
 - `upstream_dflash`: SGLang's own `--speculative-algorithm DFLASH` on CPU, for comparison.
+- `compiled`: the target's decode and verify forwards through torch.compile.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
+# `--dflash-cpu-compile` (on | off) as the launcher hands it to the scheduler processes.
+COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
 
 
 def real_sgl_kernel_installed() -> bool:
@@ -59,7 +62,8 @@ def _record_stream(tensor: torch.Tensor, stream) -> None:
 
 def activate() -> None:
     """Per-process CPU patches; idempotent. Called by the plugin in every SGLang process."""
-    from dflash_sglang.cpu_platform import upstream_dflash
+    from dflash_sglang.cpu_platform import compiled, upstream_dflash
 
     torch.Tensor.record_stream = _record_stream
     upstream_dflash.register_hooks()
+    compiled.register_hooks()
