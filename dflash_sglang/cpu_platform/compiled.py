@@ -61,7 +61,7 @@ class CompilableRadixAttention(RadixAttention):
     dflash_index: int
 
     def forward(self, q, k, v, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if torch.compiler.is_compiling() and save_kv_cache and not kwargs:
+        if (torch.compiler.is_compiling() or _WARMING) and save_kv_cache and not kwargs:
             return torch.ops.dflash_cpu.radix_attention(q, k, v, self.dflash_index)
         return super().forward(q, k, v, forward_batch, save_kv_cache, **kwargs)
 
@@ -110,22 +110,24 @@ class CompiledBody:
 
     def __init__(self, body: torch.nn.Module) -> None:
         self.eager = body.forward
-        self.fast = torch.compile(functools.partial(decoder_stack, body), dynamic=True)
+        self.stack = functools.partial(decoder_stack, body)
+        self.fast = torch.compile(self.stack, dynamic=True)
 
     def warm_up(self) -> None:
         """Compile both graphs before serving, with attention skipped (no KV is touched).
 
         Dynamo specialises a single token apart from the rest, so both are compiled here;
         otherwise a compile would stall a decode step, and the adaptive planner would take
-        that step's seconds for what a step costs.
+        that step's seconds for what a step costs. One eager pass first: SGLang's modules
+        pick their kernels on first call, a platform query Dynamo cannot trace.
         """
         global _WARMING
         _WARMING = True
         try:
-            for n in (2, 1):
+            for run, n in ((self.stack, 2), (self.fast, 2), (self.fast, 1)):
                 tokens = torch.zeros(n, dtype=torch.int64)
                 with torch.no_grad():
-                    self.fast(tokens, tokens.clone())
+                    run(tokens, tokens.clone())
         finally:
             _WARMING = False
 
