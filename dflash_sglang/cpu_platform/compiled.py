@@ -176,9 +176,9 @@ def _after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any)
     return result
 
 
-def _after_initialize(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """Compile once the runner is complete: the drafter's hidden-state captures, which the
-    graph bakes in, are configured with the attention backends, after the model loads."""
+def _after_init_cuda_graphs(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """Compile where SGLang captures its graphs: after the attention backends, with which
+    the scheduler configures the drafter's hidden-state captures that the graph bakes in."""
     forward = getattr(getattr(model_runner.model, "model", None), "forward", None)
     if isinstance(forward, CompiledBody):
         start = time.perf_counter()
@@ -198,7 +198,10 @@ def register_hooks() -> None:
     """Called once per CPU process by the plugin, before SGLang applies plugin hooks."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for method, hook in (("load_model", _after_load_model), ("initialize", _after_initialize)):
+    for method, hook in (
+        ("load_model", _after_load_model),
+        ("init_cuda_graphs", _after_init_cuda_graphs),
+    ):
         target = f"{_RUNNER}.{method}"
         if all(registered is not hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
             HookRegistry.register(target, hook, HookType.AFTER)
