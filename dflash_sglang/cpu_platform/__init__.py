@@ -60,6 +60,15 @@ def _record_stream(tensor: torch.Tensor, stream) -> None:
     return _original_record_stream(tensor, stream)
 
 
+def register_hook_once(target: str, hook, hook_type) -> None:
+    """Register `hook` on `target` in SGLang's plugin `HookRegistry` unless it already is
+    (the plugin may run more than once per process)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if all(registered is not hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
+        HookRegistry.register(target, hook, hook_type)
+
+
 def activate() -> None:
     """Per-process CPU patches; idempotent. Called by the plugin in every SGLang process."""
     from dflash_sglang.cpu_platform import compiled, upstream_dflash

@@ -30,6 +30,8 @@ from sglang.srt.model_executor.runner_utils.forward_batch import (
     set_forward_batch,
 )
 
+from dflash_sglang.cpu_platform import COMPILE_ENV, register_hook_once
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,7 +87,7 @@ def decoder_stack(body: torch.nn.Module, input_ids: torch.Tensor, positions: tor
     The same modules in the same order (norm, attention, norm, MLP, residual adds fused
     into the norms, final norm), and the same captures: the residual stream entering each
     layer of `layers_to_capture`. The bookkeeping (layer boundaries, msgspec structs) is
-    what torch.compile cannot trace and a third of an eager step's Python.
+    what torch.compile cannot trace.
     """
     hidden = body.embed_tokens(input_ids)
     residual = None
@@ -155,16 +157,15 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def compile_target(model: torch.nn.Module) -> bool:
+def compile_target(model: torch.nn.Module) -> None:
     """Route `model`'s decode and verify forwards through inductor, where supported."""
     reason = unsupported(model)
     if reason is not None:
         logger.info("Target forward not compiled: %s", reason)
-        return False
+        return
     _adopt_layers(model.model)
     model.model.forward = CompiledBody(model.model)
     logger.info("Target decode/verify forward: compiled (torch.compile, inductor)")
-    return True
 
 
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -189,19 +190,12 @@ def _after_init_cuda_graphs(result: Any, model_runner: Any, *args: Any, **kwargs
 
 def enabled(env: Mapping[str, str]) -> bool:
     """The launcher's `--dflash-cpu-compile`, as it reaches the scheduler processes."""
-    from dflash_sglang.cpu_platform import COMPILE_ENV
-
     return env.get(COMPILE_ENV, "off") == "on"
 
 
 def register_hooks() -> None:
     """Called once per CPU process by the plugin, before SGLang applies plugin hooks."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookType
 
-    for method, hook in (
-        ("load_model", _after_load_model),
-        ("init_cuda_graphs", _after_init_cuda_graphs),
-    ):
-        target = f"{_RUNNER}.{method}"
-        if all(registered is not hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
-            HookRegistry.register(target, hook, HookType.AFTER)
+    register_hook_once(f"{_RUNNER}.load_model", _after_load_model, HookType.AFTER)
+    register_hook_once(f"{_RUNNER}.init_cuda_graphs", _after_init_cuda_graphs, HookType.AFTER)

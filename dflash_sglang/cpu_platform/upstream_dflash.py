@@ -84,11 +84,9 @@ def cpu_worker_class(worker_cls: type) -> type:
 
 def register_hooks() -> None:
     """Called once per CPU process by the plugin, before SGLang applies plugin hooks."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookType
 
-    for target, hook in (
-        (_HOOKED_ARGS, handle_dflash_on_cpu),
-        (_HOOKED_WORKER, create_worker_on_cpu),
-    ):
-        if all(registered is not hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
-            HookRegistry.register(target, hook, HookType.AROUND)
+    from dflash_sglang.cpu_platform import register_hook_once
+
+    register_hook_once(_HOOKED_ARGS, handle_dflash_on_cpu, HookType.AROUND)
+    register_hook_once(_HOOKED_WORKER, create_worker_on_cpu, HookType.AROUND)
