@@ -58,6 +58,9 @@ ARMS = {
     # The target's decode/verify forward as SGLang runs it, uncompiled (before/after).
     "ar_eager": ["--speculative-algorithm", "NONE", "--dflash-cpu-compile", "off"],
     "dx_eager": [*WARM, "--dflash-cpu-compile", "off"],
+    # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
+    "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
+    "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dflash_sglang import cpu_platform
 from dflash_sglang.cpu_platform import install_sgl_kernel_shim
 
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -188,6 +189,8 @@ SCENARIOS = {
     "extend-prefix-aligned": (ForwardMode.EXTEND, [2, 0, 5], [9, 4, 8]),
     "decode": (ForwardMode.DECODE, [7, 19, 1], [1, 1, 1]),
     "verify": (ForwardMode.TARGET_VERIFY, [9, 3, 20], [4, 4, 4]),
+    "verify-wide": (ForwardMode.TARGET_VERIFY, [20, 31], [10, 10]),
+    "decode-alone": (ForwardMode.DECODE, [12], [1]),
 }
 
 
@@ -218,17 +221,35 @@ def test_head_layouts(scenario: str, layer_args: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "scenario, aligned",
-    [("extend", True), ("extend-prefix-aligned", True), ("extend-prefix", False)]
-    + [("decode", False), ("verify", False)],
+    "scenario, aligned, grouped",
+    [("extend", True, False), ("extend-prefix-aligned", True, False)]
+    + [("extend-prefix", False, True), ("decode", False, True), ("verify", False, True)]
+    + [("verify-wide", False, False), ("decode-alone", False, False)],
 )
-def test_query_grid_choice(scenario: str, aligned: bool) -> None:
-    """Prefill takes the kernel's causal skipping; decode and verify the explicit mask."""
+def test_query_grid_choice(scenario: str, aligned: bool, grouped: bool) -> None:
+    """Prefill takes the kernel's causal skipping; decode and verify the explicit mask, in
+    grouped matmuls when a batch has few query rows per request (SDPA's kernel is slow
+    there), in SDPA for wider blocks and a request alone."""
     case = make_case(*SCENARIOS[scenario])
     case.backend.init_forward_metadata(case.batch)
     metadata = case.backend.forward_metadata
     assert metadata.position_aligned is aligned
-    assert (metadata.causal_mask is None) is aligned
+    # A request alone masks nothing in decode: SDPA's unmasked path.
+    assert (metadata.causal_mask is None) is (aligned or scenario == "decode-alone")
+    assert metadata.grouped is grouped
+    assert metadata.q_rows <= attention.GROUPED_MAX_ROWS or not grouped
+
+
+def test_sdpa_setting_never_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--dflash-cpu-attention sdpa` (as the launcher hands it down): SDPA for every batch,
+    with the same result as the grouped matmuls."""
+    grouped = make_case(*SCENARIOS["decode"])
+    monkeypatch.setenv(cpu_platform.ATTENTION_ENV, "sdpa")
+    case = make_case(*SCENARIOS["decode"])
+    out = run(case)
+    assert case.backend.forward_metadata.grouped is False
+    torch.testing.assert_close(out, run(grouped))
+    assert grouped.backend.forward_metadata.grouped is True
 
 
 def test_single_request_verify_needs_no_padding() -> None:

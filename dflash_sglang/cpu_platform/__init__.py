@@ -23,6 +23,8 @@ import torch
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 # `--dflash-cpu-compile` (on | off) as the launcher hands it to the scheduler processes.
 COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
+# `--dflash-cpu-attention` (grouped | sdpa), likewise.
+ATTENTION_ENV = "DFLASH_SGLANG_CPU_ATTENTION"
 
 
 def real_sgl_kernel_installed() -> bool:
