@@ -31,6 +31,8 @@ from collections.abc import Sequence
 DEFAULT_CPU_PRIOR = (0.11, 0.005, 0.0016, 0.0014)
 
 _MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive
+# A measurement over this many times its prediction is a stall, unless the next one is too.
+OUTLIER_RATIO = 4.0
 _NUM_FEATURES = 4  # a prior is [step, request, verified token, drafted token]
 
 
@@ -128,6 +130,11 @@ class CostModel:
     prior instead of winding up. The constraint is part of the fit, not a clamp applied
     afterwards: clamping an unconstrained fit would miss even the measured points, and no
     later measurement at those points would correct it.
+
+    A measurement over `OUTLIER_RATIO` × its prediction is skipped unless the one before
+    was skipped too: one stalled step (a collection, page faults, another process taking
+    the core) once weighed on the fit for hundreds of steps and stopped drafting there,
+    while a real change of cost persists and is learned one step late.
     """
 
     def __init__(
@@ -187,12 +194,17 @@ class _LeastSquares:
         self._gram = [[0.0] * n for _ in range(n)]
         self._moment = [0.0] * n
         self._theta = self._fit()
+        self._last_was_outlier = False
 
     def predict(self, x: Sequence[float]) -> float:
         return _dot(self._theta, x)
 
     def observe(self, x: Sequence[float], y: float) -> None:
-        """G <- λG + x xᵀ, m <- λm + x y, then re-fit θ."""
+        """G <- λG + x xᵀ, m <- λm + x y, then re-fit θ; an isolated outlier is skipped."""
+        outlier = y > OUTLIER_RATIO * max(self.predict(x), _MIN_SECONDS)
+        isolated, self._last_was_outlier = outlier and not self._last_was_outlier, outlier
+        if isolated:
+            return
         lam = self._forgetting
         self._gram = [
             [lam * g + xi * xj for g, xj in zip(row, x, strict=True)]

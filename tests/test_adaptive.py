@@ -158,6 +158,27 @@ def test_cost_model_prices_the_drafter_from_its_own_timing_through_noisy_steps()
     assert price == pytest.approx(draft_fixed + truth[3] * BLOCK, rel=0.02)
 
 
+def test_cost_model_ignores_one_stalled_step_but_learns_a_lasting_change():
+    """A multi-second stall in one step (GC, another process) is not what steps cost; a
+    cost that really jumps, by more than the outlier ratio, is learned one step late."""
+    rng = random.Random(4)
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for _ in range(100):
+        step = _random_step(rng)
+        model.observe(*step, *_seconds(TRUE_COST, *step))
+    before = model.predict(4, 16, 4 * BLOCK)
+    seconds, drafting = _seconds(TRUE_COST, 4, 16, 4 * BLOCK)
+    model.observe(4, 16, 4 * BLOCK, seconds + 5.0, drafting + 2.0)
+    assert model.predict(4, 16, 4 * BLOCK) == pytest.approx(before, rel=1e-9)
+    slow = tuple(10 * c for c in TRUE_COST)
+    for _ in range(500):
+        step = _random_step(rng)
+        model.observe(*step, *_seconds(slow, *step))
+    assert model.predict(4, 16, 4 * BLOCK) == pytest.approx(
+        _seconds(slow, 4, 16, 4 * BLOCK)[0], rel=0.02
+    )
+
+
 def test_cost_model_prediction_has_a_positive_floor():
     assert CostModel([0.0, 0.0, 0.0, 0.0]).predict(1, 1, 0) > 0.0
 
