@@ -41,12 +41,13 @@ from dflash_sglang.proposals import SOURCES
 
 # The benchmarks pass --model-path, so the embedded model's default corpus is named here.
 WARM = ["--dflash-suffix-warm", str(suffix_corpus.bundled())]
+ARMS_FIXED = ["--dflash-adaptive", "off", "--dflash-suffix", "off"]
 ARMS = {
     "ar": ["--speculative-algorithm", "NONE"],
     "dx": WARM,
     "cold": ["--dflash-suffix-warm", "none"],
     "adaptive": ["--dflash-suffix", "off"],
-    "fixed": ["--dflash-adaptive", "off", "--dflash-suffix", "off"],
+    "fixed": ARMS_FIXED,
     "own": ["--dflash-suffix-shared", "0"],
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
@@ -58,6 +59,9 @@ ARMS = {
     # The target's decode/verify forward as SGLang runs it, uncompiled (before/after).
     "ar_eager": ["--speculative-algorithm", "NONE", "--dflash-cpu-compile", "off"],
     "dx_eager": [*WARM, "--dflash-cpu-compile", "off"],
+    # The drafter's block forward eager, the target's compiled (before/after for the draft).
+    "dx_draft_eager": [*WARM, "--dflash-cpu-compile", "target"],
+    "fixed_draft_eager": [*ARMS_FIXED, "--dflash-cpu-compile", "target"],
     # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
     "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
     "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],

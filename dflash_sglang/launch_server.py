@@ -63,10 +63,12 @@ def our_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--dflash-cpu-compile",
-        choices=("on", "off"),
+        choices=("on", "target", "off"),
         default="on",
-        help="CPU: run the target's decode and verify forwards compiled by torch.compile "
-        "(Llama-architecture targets, one rank; compiled during start-up; default: on)",
+        help="CPU: run the target's decode and verify forwards and the DFlash drafter's "
+        "block forward compiled by torch.compile (target: the target's only; Llama-"
+        "architecture targets, SGLang's DFlashDraftModel, one rank; compiled during "
+        "start-up; default: on)",
     )
     group.add_argument(
         "--dflash-cpu-attention",

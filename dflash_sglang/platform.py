@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,10 +33,12 @@ def _record_on_current_stream(tensor: torch.Tensor) -> None:
     tensor.record_stream(torch.get_device_module(tensor.device).current_stream())
 
 
-def _cpu_draft_model(draft_model: torch.nn.Module) -> None:
+def _cpu_draft_model(draft_model: torch.nn.Module, layout: Any) -> None:
+    from dflash_sglang.cpu_platform.compiled import compile_draft
     from dflash_sglang.cpu_platform.triton_fallbacks import use_torch_paths
 
     use_torch_paths(draft_model)
+    compile_draft(draft_model, layout)
 
 
 def keep_embeds_in_model_dtype(draft_model: torch.nn.Module) -> None:
@@ -103,8 +106,9 @@ class Platform:
     attention_backend: str  # target and draft attention
     overlap_schedule: bool  # SGLang's CPU switch-off of overlap skips plugin algorithms
     sleep_on_idle: bool  # an idle scheduler otherwise busy-polls a core the busy one needs
-    # Called once on the draft model at worker start (CPU: torch paths for Triton kernels).
-    prepare_draft_model: Callable[[torch.nn.Module], None] = _no_op
+    # Called once on the draft model and its parallel layout at worker start (CPU: torch
+    # paths for Triton kernels, the block forward compiled).
+    prepare_draft_model: Callable[[torch.nn.Module, Any], None] = _no_op
     # Called on tensors carried over from the previous overlap iteration.
     adopt_tensor: Callable[[torch.Tensor], None] = _no_op
     # A fused sampling verify with upstream's signature, or None for the exact torch path.

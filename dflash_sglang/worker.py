@@ -99,7 +99,7 @@ class DFlashXWorker(DFlashWorkerV2):
         if self._need_mamba_verify_commit:
             raise ValueError("DFLASH_X does not support hybrid (Mamba/linear-attention) targets")
         self.platform = platform.of_process()
-        self.platform.prepare_draft_model(self.draft_model)
+        self.platform.prepare_draft_model(self.draft_model, self.draft_parallel_layout)
         platform.keep_embeds_in_model_dtype(self.draft_model)
         self._generator: torch.Generator | None = None
         self.options = SpecOptions.from_env(os.environ)

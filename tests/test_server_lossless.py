@@ -306,6 +306,7 @@ def test_the_compiled_target_forward_computes_what_sglangs_does(servers, sglang_
     servers above); in float32 it gives SGLang's own forward's tokens, alone and batched."""
     ar, dx = servers
     assert COMPILED in ar.log_path.read_text() and COMPILED in dx.log_path.read_text()
+    assert "Draft block forward: compiled" in dx.log_path.read_text()
     assert COMPILED not in sglang_forward.log_path.read_text()
     texts = [SHARED_PREFIX + " " + t for t in SHORT[:6]]
     with ThreadPoolExecutor(6) as pool:

@@ -57,6 +57,8 @@ def _serve_and_compare(run, drafter_dir, samples, log_path) -> None:
     draft = ["--speculative-draft-model-path", str(drafter_dir), *PURE_DFLASH]
     server = Server([*args, *draft], log_path)
     try:
+        # The drafter's block runs compiled on CPU by default: this pins it to the reference.
+        assert "Draft block forward: compiled" in log_path.read_text()
         target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
         decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir))
         for s in samples:

@@ -8,7 +8,8 @@ Active only on CPU. Pieces:
 - `triton_fallbacks`: torch versions of the Triton kernels the DFlash path calls, so no
   Triton interpreter runs on the serving hot path.
 - `upstream_dflash`: SGLang's own `--speculative-algorithm DFLASH` on CPU, for comparison.
-- `compiled`: the target's decode and verify forwards through torch.compile.
+- `compiled`: the target's decode/verify forwards and the drafter's block forward through
+  torch.compile.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
-# `--dflash-cpu-compile` (on | off) as the launcher hands it to the scheduler processes.
+# `--dflash-cpu-compile` (on | target | off) as the launcher hands it to the schedulers.
 COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
 # `--dflash-cpu-attention` (grouped | sdpa), likewise.
 ATTENTION_ENV = "DFLASH_SGLANG_CPU_ATTENTION"

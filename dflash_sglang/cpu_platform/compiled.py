@@ -1,4 +1,5 @@
-"""The target model's decode and verify forwards compiled with torch.compile on CPU.
+"""The target's decode/verify forwards and the DFlash drafter's block forward compiled with
+torch.compile on CPU.
 
 A CPU decode step of a small model is mostly Python and op dispatch: ~2,800 ATen calls per
 forward of the embedded SmolLM2, most of them tiny (README, "Against the peers"). Inductor
@@ -10,8 +11,9 @@ it writes the KV pool and reads SGLang's per-forward metadata, neither of which 
 a graph. The op runs the layer's own `RadixAttention.forward` with the forward batch of
 the current forward context, so whatever attention backend serves eagerly serves here.
 
-Only token-count-shaped modes are compiled (decode, target verify): one graph with a
-symbolic token count serves every batch size and verify width; prefill stays eager.
+Only token-count-shaped modes are compiled (decode, target verify; the drafter's block
+runs in target-verify mode): one graph with a symbolic token count serves every batch size
+and verify width; prefill stays eager.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.runner_utils.forward_batch import (
     get_forward_batch,
@@ -81,13 +83,25 @@ def compiled_modes(forward_batch: Any) -> bool:
     return mode.is_decode() or mode.is_target_verify()
 
 
+def pre_norm_layer(layer: torch.nn.Module, positions, hidden, residual):
+    """One decoder layer as SGLang's Llama and DFlash layers compute it: norm, attention,
+    norm, MLP, the residual adds fused into the norms. The forward batch reaches attention
+    through the forward context, not the graph."""
+    if residual is None:
+        residual, hidden = hidden, layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    hidden = layer.self_attn(positions=positions, hidden_states=hidden, forward_batch=None)
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    return layer.mlp(hidden), residual
+
+
 def decoder_stack(body: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
     """`LlamaModel.forward` for one rank without SGLang's residual-stream bookkeeping.
 
-    The same modules in the same order (norm, attention, norm, MLP, residual adds fused
-    into the norms, final norm), and the same captures: the residual stream entering each
-    layer of `layers_to_capture`. The bookkeeping (layer boundaries, msgspec structs) is
-    what torch.compile cannot trace.
+    The same modules in the same order, final norm included, and the same captures: the
+    residual stream entering each layer of `layers_to_capture`. The bookkeeping (layer
+    boundaries, msgspec structs) is what torch.compile cannot trace.
     """
     hidden = body.embed_tokens(input_ids)
     residual = None
@@ -95,56 +109,120 @@ def decoder_stack(body: torch.nn.Module, input_ids: torch.Tensor, positions: tor
     for i, layer in enumerate(body.layers):
         if i in body.layers_to_capture:
             aux.append(hidden if residual is None else hidden + residual)
-        if residual is None:
-            residual, hidden = hidden, layer.input_layernorm(hidden)
-        else:
-            hidden, residual = layer.input_layernorm(hidden, residual)
-        # The forward batch reaches attention through the forward context, not the graph.
-        hidden = layer.self_attn(positions=positions, hidden_states=hidden, forward_batch=None)
-        hidden, residual = layer.post_attention_layernorm(hidden, residual)
-        hidden = layer.mlp(hidden)
+        hidden, residual = pre_norm_layer(layer, positions, hidden, residual)
     hidden, _ = body.norm(hidden, residual)
     return (hidden, aux) if aux else hidden
 
 
-class CompiledBody:
-    """Stands in for `model.model.forward`: compiled for decode and verify, eager otherwise."""
+def draft_stack(model: torch.nn.Module, input_embeds: torch.Tensor, positions: torch.Tensor):
+    """`DFlashDraftModel.forward` on the block's embeddings, as hidden states."""
+    hidden, residual = input_embeds, None
+    for layer in model.layers:
+        hidden, residual = pre_norm_layer(layer, positions, hidden, residual)
+    hidden, _ = model.norm(hidden, residual)
+    return hidden
 
-    def __init__(self, body: torch.nn.Module) -> None:
-        self.eager = body.forward
-        self.stack = functools.partial(decoder_stack, body)
+
+class CompiledForward:
+    """Stands in for a module's `forward`: a compiled stack for decode and verify batches,
+    the module's own forward otherwise."""
+
+    # Token counts compiled at start-up. Dynamo specialises a single token apart from the
+    # rest, so a forward that can see one token compiles both.
+    warm_tokens: tuple[int, ...] = (2, 1)
+    # The grad mode the forward runs under when serving: Dynamo guards on it, so warming
+    # up under another would leave a compile for the first step.
+    grad_mode = torch.no_grad
+
+    def __init__(self, module: torch.nn.Module, stack) -> None:
+        self.eager = module.forward
+        self.stack = functools.partial(stack, module)
         self.fast = torch.compile(self.stack, dynamic=True)
 
-    def warm_up(self) -> None:
-        """Compile both graphs before serving, with attention skipped (no KV is touched).
+    def warm_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(n, dtype=torch.int64)
+        return tokens, tokens.clone()
 
-        Dynamo specialises a single token apart from the rest, so both are compiled here;
-        otherwise a compile would stall a decode step, and the adaptive planner would take
-        that step's seconds for what a step costs. One eager pass first: SGLang's modules
-        pick their kernels on first call, a platform query Dynamo cannot trace.
+    def warm_up(self) -> None:
+        """Compile the graphs before serving, with attention skipped (no KV is touched);
+        otherwise a compile would stall a step, and the adaptive planner would take that
+        step's seconds for what a step costs. One eager pass first: SGLang's modules pick
+        their kernels on first call, a platform query Dynamo cannot trace.
         """
         global _WARMING
         _WARMING = True
         try:
-            for run, n in ((self.stack, 2), (self.fast, 2), (self.fast, 1)):
-                tokens = torch.zeros(n, dtype=torch.int64)
-                with torch.no_grad():
-                    run(tokens, tokens.clone())
+            runs = [(self.stack, self.warm_tokens[0])]
+            runs += [(self.fast, n) for n in self.warm_tokens]
+            for run, n in runs:
+                inputs = self.warm_inputs(n)  # made outside: inference tensors guard apart
+                with self.grad_mode():
+                    run(*inputs)
         finally:
             _WARMING = False
+
+    def run_fast(self, inputs: torch.Tensor, positions: torch.Tensor, forward_batch):
+        with self.grad_mode(), set_forward_batch(forward_batch):
+            return self.fast(inputs, positions)
+
+
+class CompiledBody(CompiledForward):
+    """The target's `model.model.forward`."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__(body, decoder_stack)
 
     def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
         # Only input ids: embeddings or pipeline proxies from outside keep the eager path.
         plain = all(value is None for value in (*args, *kwargs.values()))
         if plain and compiled_modes(forward_batch):
-            with torch.no_grad(), set_forward_batch(forward_batch):
-                return self.fast(input_ids, positions)
+            return self.run_fast(input_ids, positions, forward_batch)
         return self.eager(input_ids, positions, forward_batch, *args, **kwargs)
+
+
+class CompiledDraft(CompiledForward):
+    """The DFlash drafter's `forward`; its block (target-verify mode, B tokens per request,
+    embedded by the worker) is never a single token."""
+
+    warm_tokens = (2,)
+    grad_mode = torch.inference_mode  # as the worker drafts
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, draft_stack)
+        self.hidden_size = int(model.config.hidden_size)
+        self.dtype = model.norm.weight.dtype
+
+    def warm_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = torch.zeros(n, self.hidden_size, dtype=self.dtype)
+        return embeds, torch.zeros(n, dtype=torch.int64)
+
+    def __call__(
+        self,
+        input_ids,
+        positions,
+        forward_batch,
+        input_embeds=None,
+        get_embedding: bool = False,
+        pp_proxy_tensors=None,
+    ):
+        block = input_embeds is not None and input_embeds.shape[0] > 0
+        if block and not get_embedding and pp_proxy_tensors is None:
+            if forward_batch.forward_mode.is_target_verify():
+                hidden = self.run_fast(input_embeds, positions, forward_batch)
+                return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
+        return self.eager(
+            input_ids, positions, forward_batch, input_embeds, get_embedding, pp_proxy_tensors
+        )
+
+
+def _one_rank() -> bool:
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size() == 1
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why `decoder_stack` would not compute what `model`'s own forward computes, if so."""
-    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
     from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
 
     body = getattr(model, "model", None)
@@ -152,8 +230,26 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"{type(model).__name__}: only Llama-architecture targets"
     if not all(type(layer) is LlamaDecoderLayer for layer in body.layers):
         return f"{type(model).__name__}: a decoder layer other than Llama's"
-    if get_tensor_model_parallel_world_size() != 1 or body.pp_group.world_size != 1:
+    if not _one_rank() or body.pp_group.world_size != 1:
         return "tensor or pipeline parallelism (the stack does not reduce across ranks)"
+    return None
+
+
+def unsupported_draft(model: torch.nn.Module) -> str | None:
+    """Why `draft_stack` would not compute what the drafter's own forward computes, if so."""
+    from sglang.srt.models.dflash import DFlashDecoderLayer, DFlashDraftModel
+
+    if type(model) is not DFlashDraftModel:
+        return f"{type(model).__name__}: only SGLang's DFlashDraftModel"
+    for layer in model.layers:
+        if type(layer) is not DFlashDecoderLayer:
+            return "a draft layer other than DFlashDecoderLayer"
+        if layer.attention_conv is not None or layer.mlp_conv is not None:
+            return "grouped-convolution draft layers"
+        if layer.self_attn.v_scale is not None or layer.self_attn.attention_sink_bias is not None:
+            return "value scaling or attention sinks"
+    if not _one_rank():
+        return "tensor parallelism (the stack does not reduce across ranks)"
     return None
 
 
@@ -168,11 +264,38 @@ def compile_target(model: torch.nn.Module) -> None:
     logger.info("Target decode/verify forward: compiled (torch.compile, inductor)")
 
 
+def compile_draft(model: torch.nn.Module, layout: Any) -> None:
+    """Route the drafter's block forward through inductor, where supported and switched on,
+    and compile it now. Called by the DFlash workers once the draft model is ready (after
+    its torch paths are set), under the draft's parallel `layout`: Dynamo guards on the
+    parallel state, so a graph compiled outside it would be compiled again on first use.
+    """
+    from sglang.srt.speculative.spec_utils import draft_tp_context
+
+    if os.environ.get(COMPILE_ENV, "off") != "on":
+        return
+    reason = unsupported_draft(model)
+    if reason is not None:
+        logger.info("Draft forward not compiled: %s", reason)
+        return
+    _adopt_layers(model)
+    model.forward = compiled = CompiledDraft(model)
+    start = time.perf_counter()
+    with draft_tp_context(layout):
+        compiled.warm_up()
+    logger.info(
+        "Draft block forward: compiled (torch.compile, inductor) in %.1f s",
+        time.perf_counter() - start,
+    )
+
+
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 
 def _after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
-    if enabled(os.environ) and not model_runner.is_draft_worker:
+    """The target only: the drafter is compiled by its worker (`compile_draft`)."""
+    on = os.environ.get(COMPILE_ENV, "off") in ("on", "target")
+    if on and not model_runner.is_draft_worker:
         compile_target(model_runner.model)
     return result
 
@@ -186,11 +309,6 @@ def _after_init_cuda_graphs(result: Any, model_runner: Any, *args: Any, **kwargs
         forward.warm_up()
         logger.info("Target forward compiled in %.1f s", time.perf_counter() - start)
     return result
-
-
-def enabled(env: Mapping[str, str]) -> bool:
-    """The launcher's `--dflash-cpu-compile`, as it reaches the scheduler processes."""
-    return env.get(COMPILE_ENV, "off") == "on"
 
 
 def register_hooks() -> None:

@@ -76,7 +76,7 @@ def cpu_worker_class(worker_cls: type) -> type:
     class UpstreamDFlashOnCPU(worker_cls):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            platform.CPU.prepare_draft_model(self.draft_model)
+            platform.CPU.prepare_draft_model(self.draft_model, self.draft_parallel_layout)
             platform.keep_embeds_in_model_dtype(self.draft_model)
 
     return UpstreamDFlashOnCPU
