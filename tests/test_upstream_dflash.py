@@ -78,6 +78,7 @@ def test_worker_class_prepares_the_draft_as_dflash_x_does():
     class Worker:
         def __init__(self, draft: torch.nn.Module) -> None:
             self.draft_model = draft
+            self.draft_parallel_layout = None  # resolved by upstream's worker
 
     draft = Draft()
     worker = upstream_dflash.cpu_worker_class(Worker)(draft)
