@@ -62,9 +62,9 @@ ARMS = {
     # The drafter's block forward eager, the target's compiled (before/after for the draft).
     "dx_draft_eager": [*WARM, "--dflash-cpu-compile", "target"],
     "fixed_draft_eager": [*ARMS_FIXED, "--dflash-cpu-compile", "target"],
-    # Attention of decode and narrow verify batches as grouped matmuls (opt-in).
-    "ar_grouped": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "grouped"],
-    "dx_grouped": [*WARM, "--dflash-cpu-attention", "grouped"],
+    # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
+    "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
+    "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 

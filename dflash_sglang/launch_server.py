@@ -73,11 +73,10 @@ def our_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--dflash-cpu-attention",
         choices=("grouped", "sdpa"),
-        default="sdpa",
-        help="CPU: grouped: attention of batches with few query rows per request (decode, "
-        "narrow verify) as grouped matmuls, several times faster than SDPA's CPU kernel "
-        "there, but sampled bf16 output is not yet on par (README); sdpa: SDPA for every "
-        "batch (default: sdpa)",
+        default="grouped",
+        help="CPU: attention of batches with few query rows per request (decode, narrow "
+        "verify) as grouped matmuls, several times faster than SDPA's CPU kernel there; "
+        "sdpa: SDPA for every batch (default: grouped)",
     )
     spec_options.add_cli_args(group)
     return parser

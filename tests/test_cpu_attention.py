@@ -17,9 +17,6 @@ from dflash_sglang import cpu_platform
 from dflash_sglang.cpu_platform import install_sgl_kernel_shim
 
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-# Both paths are exercised here: the grouped matmuls (opt-in when serving) unless a test
-# asks for SDPA.
-os.environ["DFLASH_SGLANG_CPU_ATTENTION"] = "grouped"
 install_sgl_kernel_shim()
 
 from sglang.srt.arg_groups import choices  # noqa: E402
@@ -244,8 +241,8 @@ def test_query_grid_choice(scenario: str, aligned: bool, grouped: bool) -> None:
 
 
 def test_sdpa_setting_never_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--dflash-cpu-attention sdpa` (the default, as the launcher hands it down): SDPA for
-    every batch, with the same result as the grouped matmuls."""
+    """`--dflash-cpu-attention sdpa` (as the launcher hands it down): SDPA for every batch,
+    with the same result as the grouped matmuls."""
     grouped = make_case(*SCENARIOS["decode"])
     monkeypatch.setenv(cpu_platform.ATTENTION_ENV, "sdpa")
     case = make_case(*SCENARIOS["decode"])

@@ -240,14 +240,14 @@ def grouped_attention(
     `query` `[bs, heads, rows, dim]`, `key`/`value` `[bs, kv_heads, keys, dim]`, `mask`
     `[bs, 1, rows | 1, keys]` or None. The query heads sharing a KV head are stacked as
     rows of one matmul (heads are KV-head-major, as in GQA), so K and V are read once per
-    group instead of once per head. Scores and softmax in fp32, as in SDPA's CPU kernel:
-    bf16 scores lose ~2^-9 of a logit's size, which for large logits (attention sinks)
-    visibly degraded sampled output.
+    group instead of once per head. Scores come out of the matmul in the input dtype
+    (fp32 accumulation inside), softmax runs in fp32: as SDPA's CPU kernel, except that
+    bf16 scores are rounded once more before the softmax.
     """
     bs, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
-    stacked = query.reshape(bs, kv_heads, heads // kv_heads * rows, dim).float()
-    scores = torch.matmul(stacked, key.transpose(-1, -2).float()).mul_(scale)
+    stacked = query.reshape(bs, kv_heads, heads // kv_heads * rows, dim)
+    scores = torch.matmul(stacked, key.transpose(-1, -2)).float().mul_(scale)
     scores = scores.view(bs, kv_heads, heads // kv_heads, rows, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
@@ -263,8 +263,8 @@ class DFlashCPUAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: PaddedBatch | None = None
-        # The launcher's `--dflash-cpu-attention`; only `grouped` takes the grouped matmuls.
-        sdpa_only = os.environ.get(ATTENTION_ENV, "sdpa") != "grouped"
+        # The launcher's `--dflash-cpu-attention`; `sdpa` never takes the grouped matmuls.
+        sdpa_only = os.environ.get(ATTENTION_ENV, "grouped") == "sdpa"
         self.grouped_max_rows = 0 if sdpa_only else GROUPED_MAX_ROWS
         self._check_pool_supported()
 
