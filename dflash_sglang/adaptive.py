@@ -123,7 +123,12 @@ class CostModel:
     request (DFLASH_X drafting at a loss, 0.89x plain decoding).
 
     Each part minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ |θ - prior|^2  (λ = `forgetting`,
-    δ = `prior_strength`) with its per-token cost >= 0 (and the draft's fixed cost >= 0).
+    δ = `prior_strength`) with every coefficient >= 0: a step never costs less for more
+    requests or tokens. (Only the per-token costs were constrained once: fitted on a
+    server's warm-up alone, steps of one request, the fixed and per-request costs are not
+    separable, the fit traded one against the other, and a negative per-request cost then
+    predicted 0 s for a whole 16-token step of 16 requests: three drafting steps of 0.4 s
+    before the first measurement at that size corrected it.)
     This is recursive least squares in information form: G = sum λ^(n-i) x xᵀ and
     m = sum λ^(n-i) x y are updated recursively and the small system re-solved. The ridge
     does not fade, so a direction the data never excites (a width never tried) stays at the
@@ -147,7 +152,7 @@ class CostModel:
         if prior_strength <= 0.0:
             raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
         fit = {"forgetting": forgetting, "strength": prior_strength}
-        self._rest = _LeastSquares(prior[:3], nonnegative=(2,), **fit)
+        self._rest = _LeastSquares(prior[:3], nonnegative=(0, 1, 2), **fit)
         self._draft = _LeastSquares((0.0, prior[3]), nonnegative=(0, 1), **fit)
 
     def predict(self, bs: int, verify_tokens: int, draft_tokens: int) -> float:

@@ -129,6 +129,18 @@ def test_cost_model_reproduces_a_measured_point_when_the_constraint_binds():
     assert model.predict(1, 4, BLOCK) == pytest.approx(0.0572, rel=0.01)
 
 
+def test_cost_model_fitted_on_one_request_never_prices_a_larger_batch_cheaper():
+    # A server's warm-up, as measured: 12 steps of one request verifying 8 suffix tokens in
+    # 25 ms. Fixed and per-request cost are collinear there; neither may go negative.
+    model = CostModel(DEFAULT_CPU_PRIOR)
+    for _ in range(12):
+        model.observe(1, 8, 0, 0.025)
+    assert model.predict(1, 8, 0) == pytest.approx(0.025, rel=0.01)
+    for w in (1, 8, 16):
+        assert model.predict(16, 16 * w, 0) >= model.predict(1, w, 0) > 0.001
+    assert model.predict(16, 256, 256) > model.predict(16, 256, 0) + 0.1  # the drafter's prior
+
+
 def test_cost_model_forgets_an_old_cost():
     rng = random.Random(2)
     slow = tuple(2 * c for c in TRUE_COST)
