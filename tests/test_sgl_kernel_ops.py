@@ -23,6 +23,21 @@ def test_assign_req_to_token_pool_matches_loop():
     assert torch.equal(table, expected)
 
 
+def _loop_index(req, start, end, row_len):
+    return [r * row_len + c for r, s, e in zip(req, start, end, strict=True) for c in range(s, e)]
+
+
+def test_segment_index_equal_lengths_match_the_general_path():
+    # Equal lengths take the broadcast; the ragged case (and empty segments) the general path.
+    req, start = torch.tensor([2, 0, 3]), torch.tensor([1, 0, 4])
+    for width in (0, 1, 3):
+        end = start + width
+        got = ops.segment_index(req, start, end, 8)
+        assert got.tolist() == _loop_index(req.tolist(), start.tolist(), end.tolist(), 8)
+    ragged = ops.segment_index(*_segments(), 8)
+    assert ragged.tolist() == _loop_index(*(t.tolist() for t in _segments()), 8)
+
+
 def test_assign_extend_cache_locs_is_inverse():
     req, start, end = _segments()
     table = torch.arange(32, dtype=torch.int32).view(4, 8)

@@ -22,8 +22,15 @@ def segment_index(
     """Flat indices into a `[rows, row_len]` table for the segments `[start, end)` of each row.
 
     Segments are laid out back to back, request by request, as SGLang packs `out_cache_loc`.
+    Equal lengths (every decode and verify step: 1 or `width` tokens per request) take a
+    broadcast of three ops instead of the general path's ten: 20 vs 70-90 µs at 16
+    requests in isolation (twice per DFLASH_X step; a whole step's gain is within noise).
     """
     lens = (end_offset - start_offset).to(torch.int64)
+    if lens.numel() and bool((lens == lens[0]).all()):
+        width = int(lens[0])
+        rows = req_pool_indices.to(torch.int64) * row_len + start_offset.to(torch.int64)
+        return (rows[:, None] + torch.arange(width, device=lens.device)).view(-1)
     total = int(lens.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=lens.device)
