@@ -30,6 +30,7 @@ class SpecOptions:
     suffix_shared: int = DEFAULT_SHARED_TOKENS  # recent outputs the shared lookup holds; 0: off
     suffix_warm: str = ""  # a corpus (`suffix_corpus`) the shared lookup starts from; "": cold
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
+    explore_budget: float = 0.01  # share of step time exploration may add
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
@@ -68,6 +69,7 @@ class SpecOptions:
             ENV_PREFIX + "SUFFIX_SHARED": str(self.suffix_shared),
             ENV_PREFIX + "SUFFIX_WARM": self.suffix_warm,
             ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
+            ENV_PREFIX + "EXPLORE_BUDGET": repr(self.explore_budget),
             ENV_PREFIX + "KERNELS": self.kernels,
         }
 
@@ -87,6 +89,7 @@ class SpecOptions:
             suffix_shared=int(get("SUFFIX_SHARED") or default.suffix_shared),
             suffix_warm=get("SUFFIX_WARM"),
             explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
+            explore_budget=float(get("EXPLORE_BUDGET") or default.explore_budget),
             kernels=get("KERNELS") or default.kernels,
         )
 
@@ -113,6 +116,19 @@ def _at_least(flag: str, low: int):
             raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _share(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{flag} must be in [0, 1], got {text}")
         return value
 
     return parse
@@ -224,6 +240,13 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         "model and acceptance estimates stay current (default 50; 0: never)",
     )
     group.add_argument(
+        "--dflash-explore-budget",
+        type=_share("--dflash-explore-budget"),
+        default=0.01,
+        help="the share of step time exploring steps may add (default 0.01; 1: explore "
+        "every --dflash-explore-every steps whatever it costs)",
+    )
+    group.add_argument(
         "--dflash-kernels",
         choices=("ours", "upstream"),
         default="ours",
@@ -244,5 +267,6 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         suffix_shared=shared,
         suffix_warm=_suffix_warm(ns.dflash_suffix_warm, shared),
         explore_every=ns.dflash_explore_every,
+        explore_budget=ns.dflash_explore_budget,
         kernels=ns.dflash_kernels,
     )

@@ -109,6 +109,7 @@ class DFlashXWorker(DFlashWorkerV2):
             CostModel(DEFAULT_CPU_PRIOR),
             max_match=self.options.suffix_max_match,
             explore_every=self.options.explore_every,
+            explore_budget=self.options.explore_budget,
             prefer_suffix=self.options.suffix_always,
         )
         # Per-request state dies with the request objects.

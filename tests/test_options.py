@@ -36,6 +36,7 @@ def test_flags_round_trip_through_the_environment():
         "--dflash-suffix-max-match=3",
         "--dflash-suffix-max-proposal=5",
         "--dflash-explore-every=0",
+        "--dflash-explore-budget=0.25",
     )
     assert SpecOptions.from_env(opts.to_env()) == opts
     shared = _parse("--dflash-suffix-shared=4096")
@@ -67,6 +68,8 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-widths", "a"], "--dflash-widths takes comma-separated integers"),
         (["--dflash-suffix-max-proposal", "-1"], "--dflash-suffix-max-proposal must be >= 1"),
         (["--dflash-explore-every", "-1"], "--dflash-explore-every must be >= 0"),
+        (["--dflash-explore-budget", "2"], "--dflash-explore-budget must be in [0, 1]"),
+        (["--dflash-explore-budget", "x"], "--dflash-explore-budget takes a number"),
         (["--dflash-suffix-shared", "1"], "--dflash-suffix-shared must be 0 (off) or >= 2"),
         (["--dflash-suffix-shared", "x"], "--dflash-suffix-shared takes an integer"),
         (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),

@@ -190,8 +190,9 @@ WARM_PROMPT = [7, 301, 45, 118, 9, 260, 33, 402, 88, 150]
 def variants(models, servers, tmp_path_factory):
     """DFLASH_X pinned to plain decoding (width 1), and with suffix proposals (own text and
     finished requests' outputs) taken whenever one exists while the width changes every
-    other step (exploration every 2 steps), its shared lookup warmed from a corpus holding
-    the plain server's reply to `WARM_PROMPT`."""
+    other step (exploration every 2 steps, whatever it costs: with an honest cost model the
+    default 1% budget rarely lets this tiny random drafter run), its shared lookup warmed
+    from a corpus holding the plain server's reply to `WARM_PROMPT`."""
     logs = tmp_path_factory.mktemp("variant_logs")
     reply = servers[0].generate(input_ids=WARM_PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
     corpus = logs / "warm.jsonl"
@@ -205,7 +206,8 @@ def variants(models, servers, tmp_path_factory):
     try:
         mixed = Server(
             [*common, "--dflash-suffix", "always", "--dflash-widths", "1,2,3,4"]
-            + ["--dflash-explore-every", "2", "--dflash-suffix-shared", "4096"]
+            + ["--dflash-explore-every", "2", "--dflash-explore-budget", "1"]
+            + ["--dflash-suffix-shared", "4096"]
             + ["--dflash-suffix-warm", str(corpus)],
             logs / "mixed.log",
         )
