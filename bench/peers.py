@@ -114,6 +114,7 @@ def start_arm(name: str, models: Models, dtype: str, threads: int, work: Path) -
     log = work / f"{name}_{dtype}.log"
     if name in SGLANG_ARGS:
         args = ["--model-path", models.target, "--speculative-draft-model-path", models.draft]
+        args += ["--served-model-name", "target"]  # as vLLM's: no machine path in metric labels
         args += ["--dtype", dtype, "--max-total-tokens", "16384", *SGLANG_ARGS[name]]
         return Arm(name, Server(args, log, threads))
     if name.startswith("vllm_"):
