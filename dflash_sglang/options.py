@@ -242,7 +242,7 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--dflash-explore-budget",
         type=_share("--dflash-explore-budget"),
-        default=0.01,
+        default=SpecOptions.explore_budget,
         help="the share of step time exploring steps may add (default 0.01; 1: explore "
         "every --dflash-explore-every steps whatever it costs)",
     )
