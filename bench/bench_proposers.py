@@ -62,6 +62,9 @@ ARMS = {
     # The drafter's block forward eager, the target's compiled (before/after for the draft).
     "dx_draft_eager": [*WARM, "--dflash-cpu-compile", "target"],
     "fixed_draft_eager": [*ARMS_FIXED, "--dflash-cpu-compile", "target"],
+    # The compiled forwards over plain weights, as before prepacked ones (before/after).
+    "ar_nofreeze": ["--speculative-algorithm", "NONE", "--dflash-cpu-freeze", "off"],
+    "dx_nofreeze": [*WARM, "--dflash-cpu-freeze", "off"],
     # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
     "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
     "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],

@@ -127,6 +127,7 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
         (lambda m, t: ["--dflash-widths", "1,x"], "--dflash-widths"),
         (lambda m, t: ["--dflash-adaptive", "maybe"], "--dflash-adaptive"),
         (lambda m, t: ["--dflash-cpu-compile", "yes"], "--dflash-cpu-compile"),
+        (lambda m, t: ["--dflash-cpu-freeze", "maybe"], "--dflash-cpu-freeze"),
         (lambda m, t: ["--dflash-cpu-attention", "fast"], "--dflash-cpu-attention"),
         (lambda m, t: ["--dflash-suffix-max-match", "0"], "--dflash-suffix-max-match"),
         (

@@ -308,6 +308,7 @@ def test_the_compiled_target_forward_computes_what_sglangs_does(servers, sglang_
     servers above); in float32 it gives SGLang's own forward's tokens, alone and batched."""
     ar, dx = servers
     assert COMPILED in ar.log_path.read_text() and COMPILED in dx.log_path.read_text()
+    assert "weights prepacked" in ar.log_path.read_text()  # --dflash-cpu-freeze on
     assert "Draft block forward: compiled" in dx.log_path.read_text()
     assert COMPILED not in sglang_forward.log_path.read_text()
     texts = [SHARED_PREFIX + " " + t for t in SHORT[:6]]
@@ -315,3 +316,26 @@ def test_the_compiled_target_forward_computes_what_sglangs_does(servers, sglang_
         batched = list(pool.map(lambda t: _ids(sglang_forward, t), texts))
     assert batched == [_ids(ar, t) for t in texts]
     assert _ids(sglang_forward, LONG) == _ids(ar, LONG)
+
+
+def _update_weights(server: Server, model_path: str) -> requests.Response:
+    url = f"{server.url}/update_weights_from_disk"
+    return requests.post(url, json={"model_path": model_path}, timeout=120)
+
+
+def test_weight_updates_are_refused_while_the_compiled_forward_holds_packed_weights(
+    servers, sglang_forward, models
+):
+    """With the weights prepacked (`--dflash-cpu-freeze on`, the default) an online update
+    would not reach the compiled forward: it is refused with a reason before anything is
+    written, and the server serves on unchanged. SGLang's own forward takes the update."""
+    ar, dx = servers
+    before = _ids(dx, SHORT[0])
+    for server in (ar, dx):
+        refused = _update_weights(server, str(models["target"]))
+        assert refused.status_code == 400, refused.text
+        assert "--dflash-cpu-freeze off" in refused.json()["message"]
+    assert _ids(dx, SHORT[0]) == before == _ids(ar, SHORT[0])
+    taken = _update_weights(sglang_forward, str(models["target"]))
+    assert taken.status_code == 200 and taken.json()["success"], taken.text
+    assert _ids(sglang_forward, SHORT[0]) == before

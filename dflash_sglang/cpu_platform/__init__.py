@@ -24,6 +24,8 @@ import torch
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 # `--dflash-cpu-compile` (on | target | off) as the launcher hands it to the schedulers.
 COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
+# `--dflash-cpu-freeze` (on | off), likewise.
+FREEZE_ENV = "DFLASH_SGLANG_CPU_FREEZE"
 # `--dflash-cpu-attention` (grouped | sdpa), likewise.
 ATTENTION_ENV = "DFLASH_SGLANG_CPU_ATTENTION"
 

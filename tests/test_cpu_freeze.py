@@ -1,0 +1,75 @@
+"""`--dflash-cpu-freeze`: what it switches on, and the LM head's prepacked path (the compiled
+layers' packing is inductor's, checked end to end against SGLang's own forward in
+test_server_lossless)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+from dflash_sglang.cpu_platform import FREEZE_ENV, compiled
+
+
+def _processor(**changes) -> SimpleNamespace:
+    return SimpleNamespace(**{"use_fp32_lm_head": False, "rl_on_policy_target": None, **changes})
+
+
+def _head(dtype: torch.dtype = torch.bfloat16, vocab: int = 300) -> torch.nn.Module:
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randn(vocab, 64, dtype=dtype), requires_grad=False)
+    head.quant_method = UnquantizedEmbeddingMethod()
+    return head
+
+
+def _sglang(*_args, **_kwargs) -> str:
+    return "sglang"
+
+
+def test_freeze_follows_the_flag(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "freezing", False)  # restored after the test
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setenv(FREEZE_ENV, "off")
+    assert not compiled.freeze(model)
+    assert not torch._inductor.config.freezing
+    assert getattr(model, "_derived_weight_cache_error", None) is None
+    monkeypatch.setenv(FREEZE_ENV, "on")
+    assert compiled.freeze(model)
+    assert torch._inductor.config.freezing
+    assert "--dflash-cpu-freeze off" in model._derived_weight_cache_error
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_packed_lm_head_is_the_plain_matmul_to_the_bit(rows):
+    model = SimpleNamespace(lm_head=_head())
+    assert compiled.pack_lm_head(model)
+    hidden = torch.randn(rows, 64, dtype=torch.bfloat16)
+
+    def fell_back(*_args, **_kwargs):
+        raise AssertionError("a packed bf16 head fell back to SGLang's matmul")
+
+    got = compiled._packed_lm_head(fell_back, _processor(), hidden, model.lm_head)
+    assert torch.equal(got, hidden @ model.lm_head.weight.T)
+
+
+def test_heads_and_cases_it_does_not_cover_stay_sglangs():
+    fp32 = SimpleNamespace(lm_head=_head(torch.float32))
+    assert not compiled.pack_lm_head(fp32)  # MKL's sgemm: rounding differs by row count
+    quantized = SimpleNamespace(lm_head=_head())
+    quantized.lm_head.quant_method = object()
+    assert not compiled.pack_lm_head(quantized)
+    assert not compiled.pack_lm_head(SimpleNamespace())
+
+    packed = SimpleNamespace(lm_head=_head())
+    assert compiled.pack_lm_head(packed)
+    hidden = torch.randn(2, 64, dtype=torch.bfloat16)
+    head = packed.lm_head
+    bias = torch.zeros(300)
+    assert compiled._packed_lm_head(_sglang, _processor(), hidden, fp32.lm_head) == "sglang"
+    assert compiled._packed_lm_head(_sglang, _processor(), hidden, head, bias) == "sglang"
+    fp32_head = _processor(use_fp32_lm_head=True)
+    assert compiled._packed_lm_head(_sglang, fp32_head, hidden, head) == "sglang"
+    on_policy = _processor(rl_on_policy_target="fsdp")
+    assert compiled._packed_lm_head(_sglang, on_policy, hidden, head) == "sglang"
