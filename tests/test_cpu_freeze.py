@@ -73,3 +73,25 @@ def test_heads_and_cases_it_does_not_cover_stay_sglangs():
     assert compiled._packed_lm_head(_sglang, fp32_head, hidden, head) == "sglang"
     on_policy = _processor(rl_on_policy_target="fsdp")
     assert compiled._packed_lm_head(_sglang, on_policy, hidden, head) == "sglang"
+
+
+def test_a_packed_linear_computes_what_it_did():
+    linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    before = linear(x)
+    assert compiled.pack_linear(linear)
+    assert torch.equal(linear(x), before)  # leading dims kept, bit for bit
+    biased = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    rows = torch.randn(3, 64, dtype=torch.bfloat16)
+    before = biased(rows)
+    assert compiled.pack_linear(biased)
+    torch.testing.assert_close(biased(rows), before)
+
+
+def test_linears_it_does_not_cover_stay_as_they_are():
+    fp32 = torch.nn.Linear(8, 8)
+    forward = fp32.forward
+    assert not compiled.pack_linear(fp32)
+    assert fp32.forward == forward
+    assert not compiled.pack_linear(None)
+    assert not compiled.pack_linear(torch.nn.Identity())

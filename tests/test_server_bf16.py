@@ -77,3 +77,15 @@ def test_bf16_divergence_is_rounding(models, bf16_servers, tmp_path_factory):
     out = tmp_path_factory.getbasetemp() / "bf16_divergence.json"
     out.write_text(json.dumps(summary, indent=1))
     print(f"\nbf16 divergence: {len(diverged)}/{len(report)} prompts differ; report: {out}")
+
+
+def test_bf16_weights_are_prepacked(bf16_servers):
+    """`--dflash-cpu-freeze on` (the default): in bf16 the compiled layers, the LM head and
+    the drafter's feature projection all run on prepacked weights (the test above checks
+    what they compute)."""
+    ar, dx = bf16_servers
+    assert "weights prepacked, LM head prepacked" in ar.log_path.read_text()
+    draft_line = next(
+        line for line in dx.log_path.read_text().splitlines() if "Draft block forward" in line
+    )
+    assert "weights prepacked, fc prepacked" in draft_line
