@@ -161,6 +161,14 @@ def freeze(model: torch.nn.Module) -> bool:
     return True
 
 
+def _freeze_and_pack(model: torch.nn.Module, part: str, pack) -> str:
+    """`freeze(model)`, and when frozen `pack()` its eager `part` too; what was done, as the
+    compile log says it."""
+    if not freeze(model):
+        return ""
+    return ", weights prepacked" + (f", {part} prepacked" if pack() else "")
+
+
 def _prepacked(weight: torch.Tensor) -> torch.Tensor:
     """`weight` `[out, in]` reordered once for oneDNN's linear, as freezing reorders the
     compiled layers' (`mkldnn._linear_pointwise` takes it)."""
@@ -233,8 +241,8 @@ class CompiledForward:
 
     def __init__(self, module: torch.nn.Module, stack) -> None:
         self.eager = module.forward
-        self.stack = functools.partial(stack, module)
-        self.fast = torch.compile(_Stack(module, stack), dynamic=True)
+        self.stack = _Stack(module, stack)
+        self.fast = torch.compile(self.stack, dynamic=True)
 
     def warm_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.zeros(n, dtype=torch.int64)
@@ -356,15 +364,10 @@ def compile_target(model: torch.nn.Module) -> None:
     if reason is not None:
         logger.info("Target forward not compiled: %s", reason)
         return
-    frozen = freeze(model)
-    packed_head = frozen and pack_lm_head(model)
+    packed = _freeze_and_pack(model, "LM head", lambda: pack_lm_head(model))
     _adopt_layers(model.model)
     model.model.forward = CompiledBody(model.model)
-    logger.info(
-        "Target decode/verify forward: compiled (torch.compile, inductor%s%s)",
-        ", weights prepacked" if frozen else "",
-        ", LM head prepacked" if packed_head else "",
-    )
+    logger.info("Target decode/verify forward: compiled (torch.compile, inductor%s)", packed)
 
 
 def compile_draft(model: torch.nn.Module, layout: Any) -> None:
@@ -381,17 +384,15 @@ def compile_draft(model: torch.nn.Module, layout: Any) -> None:
     if reason is not None:
         logger.info("Draft forward not compiled: %s", reason)
         return
-    frozen = freeze(model)
-    packed_fc = frozen and pack_linear(getattr(model, "fc", None))
+    packed = _freeze_and_pack(model, "fc", lambda: pack_linear(getattr(model, "fc", None)))
     _adopt_layers(model)
     model.forward = compiled = CompiledDraft(model)
     start = time.perf_counter()
     with draft_tp_context(layout):
         compiled.warm_up()
     logger.info(
-        "Draft block forward: compiled (torch.compile, inductor%s%s) in %.1f s",
-        ", weights prepacked" if frozen else "",
-        ", fc prepacked" if packed_fc else "",
+        "Draft block forward: compiled (torch.compile, inductor%s) in %.1f s",
+        packed,
         time.perf_counter() - start,
     )
 
