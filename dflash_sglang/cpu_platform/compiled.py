@@ -141,8 +141,8 @@ class _Stack(torch.nn.Module):
 def freeze(model: torch.nn.Module) -> bool:
     """`--dflash-cpu-freeze on`: the weights become constants of the compiled graphs, and
     inductor prepacks every linear's for oneDNN (`mkldnn._linear_pointwise`). At decode
-    sizes a prepacked bf16 GEMM runs ~2x faster than `mm` on the plain weight (this
-    machine, a 576x3072 projection at one row: 0.035 vs 0.067 ms).
+    sizes a prepacked bf16 GEMM runs 1.5-2x faster than `mm` on the plain weight
+    (`bench/packed_gemm.py`: a 3072x576 projection at one row, 0.038 vs 0.074 ms).
 
     Inductor reads `freezing` from its global config when it compiles (a per-compile
     `options` entry is ignored); our forwards are all this process compiles. The compiled
@@ -195,7 +195,7 @@ def pack_linear(linear: torch.nn.Module | None) -> bool:
 def pack_lm_head(model: torch.nn.Module) -> bool:
     """Prepack the LM head for oneDNN, as freezing packs the compiled layers: it runs
     eagerly in SGLang's logits processor after the compiled body, and at one row its
-    `matmul` on the plain weight took 2.3 ms against 0.6 ms prepacked (49152 x 576, bf16).
+    plain `mm` takes ~2x the prepacked call (49152 x 576 bf16, `bench/packed_gemm.py`).
     `_packed_lm_head` uses the copy where the processor would run that plain matmul.
     bf16 only: there the result is the same to the bit; fp32 (MKL's sgemm, already fast)
     would round differently at one row and at several, and greedy ties could flip."""
