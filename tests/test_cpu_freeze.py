@@ -29,16 +29,17 @@ def _sglang(*_args, **_kwargs) -> str:
 
 
 def test_freeze_follows_the_flag(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "freezing", False)  # restored after the test
-    model = torch.nn.Linear(2, 2)
-    monkeypatch.setenv(FREEZE_ENV, "off")
-    assert not compiled.freeze(model)
-    assert not torch._inductor.config.freezing
-    assert getattr(model, "_derived_weight_cache_error", None) is None
-    monkeypatch.setenv(FREEZE_ENV, "on")
-    assert compiled.freeze(model)
-    assert torch._inductor.config.freezing
-    assert "--dflash-cpu-freeze off" in model._derived_weight_cache_error
+    # `config.patch` restores the setting; monkeypatch would delete it (not in __dict__).
+    with torch._inductor.config.patch(freezing=False):
+        model = torch.nn.Linear(2, 2)
+        monkeypatch.setenv(FREEZE_ENV, "off")
+        assert not compiled.freeze(model)
+        assert not torch._inductor.config.freezing
+        assert getattr(model, "_derived_weight_cache_error", None) is None
+        monkeypatch.setenv(FREEZE_ENV, "on")
+        assert compiled.freeze(model)
+        assert torch._inductor.config.freezing
+        assert "--dflash-cpu-freeze off" in model._derived_weight_cache_error
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -95,3 +96,29 @@ def test_linears_it_does_not_cover_stay_as_they_are():
     assert fp32.forward == forward
     assert not compiled.pack_linear(None)
     assert not compiled.pack_linear(torch.nn.Identity())
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.double = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.double else x
+
+
+def _scaled_stack(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def test_compiled_forwards_keep_input_guards_and_drop_module_guards():
+    """Module attributes are read once, at compile: a change after it is not seen (the
+    guards that would notice it cost ~1 ms a step); the inputs still pick the graph."""
+    torch._dynamo.reset()
+    module = _Scaled()
+    forward = compiled.CompiledForward(module, _scaled_stack)
+    x = torch.ones(3)
+    assert torch.equal(forward.fast(x), x * 2)
+    module.double = False
+    assert torch.equal(forward.fast(x), x * 2)  # no guard on the flag, no recompile
+    assert torch.equal(forward.fast(x.double()), x.double())  # a new dtype: a new graph
