@@ -19,15 +19,20 @@ suffix index must not be credited for replaying an output it already holds. Arms
   own       the default launch without the shared lookup (--dflash-suffix-shared 0), the
             default before it was measured (bench/proposers/shared_*.json, whose arm
             "shared" is today's default)
+Any arm named `ARM@base` is ARM served from git revision `--base` instead of this tree
+(before/after a change, in one interleaved run).
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +75,7 @@ ARMS = {
     "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
+BASE = "@base"
 
 
 def prompt_sets(names: list[str], tokenizer, count: int, max_prompt_tokens: int) -> dict:
@@ -187,13 +193,33 @@ def parse_args() -> argparse.Namespace:
         "need is reused); only for arms without the shared suffix lookup, which would be "
         "credited for replaying outputs it holds",
     )
+    ap.add_argument("--base", help="git revision the ARM@base arms serve")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
-    for flag, value, allowed in (("--arms", args.arms, ARMS), ("--sets", args.sets, SET_NAMES)):
-        bad = [v for v in value.split(",") if v not in allowed]
+    arms = [arm.removesuffix(BASE) for arm in args.arms.split(",")]
+    for flag, value, allowed in (
+        ("--arms", arms, ARMS),
+        ("--sets", args.sets.split(","), SET_NAMES),
+    ):
+        bad = [v for v in value if v not in allowed]
         if bad:
             ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    if (BASE in args.arms) != (args.base is not None):
+        ap.error(f"--base: needed by, and only by, arms named ARM{BASE}")
     return args
+
+
+def base_tree(rev: str, work: Path) -> Path:
+    """This repository at `rev`, importable ahead of the installed package (PYTHONPATH). The
+    top-level `kernels/` and `server/` are linked where the package maps them."""
+    repo = Path(__file__).resolve().parents[1]
+    tar = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True)
+    root = work / "base"
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as archive:
+        archive.extractall(root, filter="data")
+    for name in ("kernels", "server"):
+        (root / "dflash_sglang" / name).symlink_to(root / name)
+    return root
 
 
 def drafter(choice: str | None, target: Path, work: Path) -> str:
@@ -237,8 +263,12 @@ def main() -> None:
     servers: dict[str, Server] = {}
     results = []
     try:
+        base = None
+        if args.base:  # PYTHONSAFEPATH: the working directory is not put ahead of it
+            base = {"PYTHONPATH": str(base_tree(args.base, work)), "PYTHONSAFEPATH": "1"}
         for arm in args.arms.split(","):
-            servers[arm] = Server([*common, *ARMS[arm]], work / f"{arm}.log", args.threads)
+            flags, env = ARMS[arm.removesuffix(BASE)], base if arm.endswith(BASE) else None
+            servers[arm] = Server([*common, *flags], work / f"{arm}.log", args.threads, env=env)
         warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
         for server in servers.values():  # unmeasured
             run(server, [warm_up], 1, 16)
