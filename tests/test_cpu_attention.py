@@ -224,12 +224,12 @@ def test_head_layouts(scenario: str, layer_args: dict) -> None:
     "scenario, aligned, grouped",
     [("extend", True, False), ("extend-prefix-aligned", True, False)]
     + [("extend-prefix", False, True), ("decode", False, True), ("verify", False, True)]
-    + [("verify-wide", False, False), ("decode-alone", False, True)],
+    + [("verify-wide", False, False), ("decode-alone", False, False)],
 )
 def test_query_grid_choice(scenario: str, aligned: bool, grouped: bool) -> None:
     """Prefill takes the kernel's causal skipping; decode and verify the explicit mask, in
-    grouped matmuls when a batch has few query rows per request, a request alone included
-    (SDPA's kernel is slow there), in SDPA for wider blocks."""
+    grouped matmuls when a batch has few query rows per request (SDPA's kernel is slow
+    there), in SDPA for wider blocks and a request alone."""
     case = make_case(*SCENARIOS[scenario])
     case.backend.init_forward_metadata(case.batch)
     metadata = case.backend.forward_metadata

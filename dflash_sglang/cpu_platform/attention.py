@@ -113,12 +113,10 @@ def packed_token_rows(
     return request * q_rows + first_rows[request] + offset
 
 
-# Query rows per request up to which a batch takes `grouped_attention` instead of SDPA, whose
-# CPU kernel costs ~0.4 us per key per request and head at one query row (`bench/
-# attention_paths.py`, bf16, 9 query / 3 KV heads of 64, 2 threads: one request over 512 keys
-# 0.22 ms in SDPA vs 0.05 grouped, 16 requests 3.3 vs 0.18; at 2-8 rows grouped is 1.1-3.5x
-# faster from 512 keys on, 30% slower for one request under 128 keys). At 16 rows grouped
-# can fall off a cliff (8-16 requests over 512-1024 keys: 2x slower), so wide blocks stay SDPA.
+# Query rows up to which a batch of requests takes `grouped_attention` instead of SDPA. Measured
+# on a 2-core AVX-512 CPU (bf16, 9 query / 3 KV heads of 64, 16 requests of 100-700 keys): one
+# decode layer 4.3 ms in SDPA vs 1.1 ms grouped; 4 / 8 query rows 1.8 / 2.5 vs 1.6 / 2.2 ms;
+# one request alone is as fast or faster in SDPA (0.05-0.08 ms either way).
 GROUPED_MAX_ROWS = 8
 
 
@@ -149,7 +147,7 @@ def build_padded_batch(
         causal_mask = None if bool(causal_mask.all()) else causal_mask
     full_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=False)
     identity_rows = num_tokens == batch_size * q_rows
-    grouped = not position_aligned and q_rows <= grouped_max_rows
+    grouped = not position_aligned and q_rows <= grouped_max_rows and batch_size > 1
     return PaddedBatch(
         batch_size=batch_size,
         q_rows=q_rows,
