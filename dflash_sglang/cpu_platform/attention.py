@@ -115,8 +115,10 @@ def packed_token_rows(
 
 # Query rows up to which a batch of requests takes `grouped_attention` instead of SDPA. Measured
 # on a 2-core AVX-512 CPU (bf16, 9 query / 3 KV heads of 64, 16 requests of 100-700 keys): one
-# decode layer 4.3 ms in SDPA vs 1.1 ms grouped; 4 / 8 query rows 1.8 / 2.5 vs 1.6 / 2.2 ms;
-# one request alone is as fast or faster in SDPA (0.05-0.08 ms either way).
+# decode layer 4.3 ms in SDPA vs 1.1 ms grouped; 4 / 8 query rows 1.8 / 2.5 vs 1.6 / 2.2 ms.
+# A request alone stays in SDPA: timed alone grouped is faster from ~128 keys on
+# (`bench/proposers/attention_paths.md`), but in the server it was slower (README, "Dynamo's
+# guards and the grouped path's KV layout").
 GROUPED_MAX_ROWS = 8
 
 
