@@ -45,14 +45,3 @@ def test_cpu_times_the_draft_forward_on_the_host_and_cuda_with_events():
     timer.stop()
     assert 0.0 < timer.seconds() < 5.0
     assert platform.CUDA.start_timer is platform.CudaTimer
-
-
-def test_cpu_children_keep_malloc_temporaries_in_the_heap_unless_the_user_says_otherwise():
-    from dflash_sglang import cpu_platform
-
-    env = cpu_platform.child_environment({"PATH": "/bin"})
-    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PATH"] == "/bin"
-    assert int(env["MALLOC_MMAP_THRESHOLD_"]) == 32 << 20
-    assert int(env["MALLOC_TRIM_THRESHOLD_"]) == 1 << 30
-    mine = cpu_platform.child_environment({"MALLOC_TRIM_THRESHOLD_": "0"})
-    assert mine["MALLOC_TRIM_THRESHOLD_"] == "0"

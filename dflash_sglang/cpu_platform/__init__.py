@@ -28,13 +28,6 @@ COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
 FREEZE_ENV = "DFLASH_SGLANG_CPU_FREEZE"
 # `--dflash-cpu-attention` (grouped | sdpa), likewise.
 ATTENTION_ENV = "DFLASH_SGLANG_CPU_ATTENTION"
-# glibc malloc settings for SGLang's processes, unless the user set them. By default glibc
-# maps a block of a few MB (attention scores, gathered KV: per layer under load) with mmap and
-# unmaps it, or trims the heap, on free, so every layer page-faults its temporaries back in:
-# attention at 16 requests over 1,024 keys ran 1.4-3.0x slower (`bench/attention_paths.py`
-# with and without these; `bench/proposers/attention_paths.md`). Freed memory stays in the
-# heap instead (up to 1 GB above the peak per arena before glibc returns it).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def real_sgl_kernel_installed() -> bool:
@@ -46,9 +39,8 @@ def real_sgl_kernel_installed() -> bool:
 
 
 def child_environment(env: dict[str, str]) -> dict[str, str]:
-    """Environment for SGLang processes on CPU: CPU engine on, shim on PYTHONPATH if needed,
-    `MALLOC_ENV` where the user has not set it."""
-    env = MALLOC_ENV | env
+    """Environment for SGLang processes on CPU: CPU engine on, shim on PYTHONPATH if needed."""
+    env = dict(env)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     if not real_sgl_kernel_installed():
         parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
