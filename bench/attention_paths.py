@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
+from packed_gemm import ms_per_call
 
 from dflash_sglang.cpu_platform.attention import attention_mask, grouped_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def _ms(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def _gathered(pool: torch.Tensor, bs: int, keys: int) -> torch.Tensor:
@@ -74,7 +65,7 @@ def main() -> None:
                     view = functools.partial(grouped_attention, *inputs, scale)
                     copy = functools.partial(_grouped_contiguous, *inputs, scale)
                     torch.testing.assert_close(sdpa(), copy(), atol=2e-2, rtol=2e-2)
-                    cells = [_ms(f, args.reps) for f in (sdpa, view, copy)]
+                    cells = [ms_per_call(f, args.reps) for f in (sdpa, view, copy)]
                     print(
                         f"| {bs} | {rows} | {keys} | "
                         + " | ".join(f"{t:.3f}" for t in cells)

@@ -76,6 +76,7 @@ ARMS = {
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 BASE = "@base"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def prompt_sets(names: list[str], tokenizer, count: int, max_prompt_tokens: int) -> dict:
@@ -206,14 +207,20 @@ def parse_args() -> argparse.Namespace:
             ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
     if (BASE in args.arms) != (args.base is not None):
         ap.error(f"--base: needed by, and only by, arms named ARM{BASE}")
+    if args.base is not None:
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
+            capture_output=True,
+        )
+        if rev.returncode != 0:
+            ap.error(f"--base: {args.base!r} is not a commit of {REPO}")
     return args
 
 
 def base_tree(rev: str, work: Path) -> Path:
     """This repository at `rev`, importable ahead of the installed package (PYTHONPATH). The
     top-level `kernels/` and `server/` are linked where the package maps them."""
-    repo = Path(__file__).resolve().parents[1]
-    tar = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True)
     root = work / "base"
     with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as archive:
         archive.extractall(root, filter="data")

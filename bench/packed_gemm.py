@@ -27,7 +27,8 @@ SHAPES = {
 }
 
 
-def _ms(fn, reps: int = 200) -> float:
+def ms_per_call(fn, reps: int = 200) -> float:
+    """Mean wall time of `fn()` in ms after a warm-up (also `bench/attention_paths.py`'s)."""
     for _ in range(10):
         fn()
     start = time.perf_counter()
@@ -51,8 +52,8 @@ def main() -> None:
             packed = mkldnn._reorder_linear_weight(weight, 1)
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, inp, dtype=torch.bfloat16)
-                plain = _ms(functools.partial(torch.mm, x, weight.t()))
-                fast = _ms(
+                plain = ms_per_call(functools.partial(torch.mm, x, weight.t()))
+                fast = ms_per_call(
                     functools.partial(mkldnn._linear_pointwise, x, packed, None, "none", [], "")
                 )
                 cells = [f"{name} {out}x{inp}", rows, f"{plain:.3f}", f"{fast:.3f}"]

@@ -394,10 +394,11 @@ class DFlashCPUAttnBackend(AttentionBackend):
     @staticmethod
     def _gathered(buffer: torch.Tensor, batch: PaddedBatch, dtype: torch.dtype) -> torch.Tensor:
         """One layer's keys or values for the whole batch as `[bs, kv_heads, kv_max, dim]`,
-        contiguous for the grouped matmuls: on the gathered rows' transposed view their
-        batched matmul runs 2-3x slower than a copy plus the matmul (16 requests x 512 keys:
-        0.64 vs 0.07 + 0.19 ms per layer); SDPA takes either at the same speed."""
+        contiguous for the grouped matmuls: on the gathered rows' transposed view they run
+        1.1-2.6x slower than on a copy, the copy included (16 requests x 512 keys at one
+        row: 0.61 vs 0.24 ms per layer, `bench/proposers/attention_paths.md`); SDPA takes
+        either at the same speed. One copy at most, with the cast if there is one."""
         rows = buffer.index_select(0, batch.kv_slots.view(-1))
         rows = rows.view(batch.batch_size, batch.kv_max, *buffer.shape[1:]).transpose(1, 2)
-        rows = rows.to(dtype)
-        return rows.contiguous() if batch.grouped else rows
+        layout = torch.contiguous_format if batch.grouped else torch.preserve_format
+        return rows.to(dtype, memory_format=layout)
