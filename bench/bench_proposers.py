@@ -47,6 +47,7 @@ from dflash_sglang.proposals import SOURCES
 # The benchmarks pass --model-path, so the embedded model's default corpus is named here.
 WARM = ["--dflash-suffix-warm", str(suffix_corpus.bundled())]
 ARMS_FIXED = ["--dflash-adaptive", "off", "--dflash-suffix", "off"]
+ARMS_WIDTH1 = ["--dflash-widths", "1", "--dflash-suffix", "off"]
 ARMS = {
     "ar": ["--speculative-algorithm", "NONE"],
     "dx": WARM,
@@ -57,7 +58,7 @@ ARMS = {
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
-    "width1": ["--dflash-widths", "1", "--dflash-suffix", "off"],
+    "width1": ARMS_WIDTH1,
     # DFlash block at a fixed narrow width: what a step that drafts costs against its gain.
     "width2": ["--dflash-widths", "2", "--dflash-suffix", "off"],
     "width4": ["--dflash-widths", "4", "--dflash-suffix", "off"],
@@ -70,6 +71,9 @@ ARMS = {
     # The compiled forwards over plain weights, as before prepacked ones (before/after).
     "ar_nofreeze": ["--speculative-algorithm", "NONE", "--dflash-cpu-freeze", "off"],
     "dx_nofreeze": [*WARM, "--dflash-cpu-freeze", "off"],
+    # KV injection every step, as before it waited for steps that draft (before/after).
+    "width1_inject_each": [*ARMS_WIDTH1, "--dflash-defer-injection", "0"],
+    "dx_inject_each": [*WARM, "--dflash-defer-injection", "0"],
     # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
     "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
     "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],

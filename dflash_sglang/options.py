@@ -17,6 +17,9 @@ DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
 PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
 # Tokens of finished outputs the shared suffix lookup holds (~45 MB of n-gram table).
 DEFAULT_SHARED_TOKENS = 262144
+# Committed rows whose draft-KV injection may wait for one batched write (CPU): ~1.5 MB of
+# features for the embedded pair, a write of ~2-4 ms.
+DEFAULT_DEFER_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class SpecOptions:
     explore_every: int = 50  # planner steps between exploratory widths; 0: never
     explore_budget: float = 0.01  # share of step time exploration may add
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
+    defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
         """Verify widths the controller may pick; fixed width = the block alone."""
@@ -71,6 +75,7 @@ class SpecOptions:
             ENV_PREFIX + "EXPLORE_EVERY": str(self.explore_every),
             ENV_PREFIX + "EXPLORE_BUDGET": repr(self.explore_budget),
             ENV_PREFIX + "KERNELS": self.kernels,
+            ENV_PREFIX + "DEFER_ROWS": str(self.defer_rows),
         }
 
     @classmethod
@@ -91,6 +96,7 @@ class SpecOptions:
             explore_every=int(get("EXPLORE_EVERY") or default.explore_every),
             explore_budget=float(get("EXPLORE_BUDGET") or default.explore_budget),
             kernels=get("KERNELS") or default.kernels,
+            defer_rows=int(get("DEFER_ROWS") or default.defer_rows),
         )
 
 
@@ -253,6 +259,16 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         help="on GPU: our Triton KV injection and acceptance kernels (dflash_sglang.kernels), "
         "or upstream SGLang's (default ours; CPU always runs torch paths)",
     )
+    group.add_argument(
+        "--dflash-defer-injection",
+        type=_non_negative("--dflash-defer-injection"),
+        default=DEFAULT_DEFER_ROWS,
+        metavar="ROWS",
+        help="on CPU, steps that do not draft leave their committed tokens' draft-KV "
+        "injection for one batched write, before the drafter next runs, a prefill, a "
+        f"request leaving the batch, or ROWS tokens held (default {DEFAULT_DEFER_ROWS}; "
+        "0: inject every step, as on GPU, where injection is one fused kernel)",
+    )
 
 
 def from_cli(ns: argparse.Namespace) -> SpecOptions:
@@ -269,4 +285,5 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         explore_every=ns.dflash_explore_every,
         explore_budget=ns.dflash_explore_budget,
         kernels=ns.dflash_kernels,
+        defer_rows=ns.dflash_defer_injection,
     )

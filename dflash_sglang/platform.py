@@ -122,6 +122,9 @@ class Platform:
     # (target model runner, candidate widths, block size) -> per-width verify graphs, or
     # None where the target has no graphs to swap (CPU).
     verify_graphs: Callable[..., VerifyGraphs | None] = _no_op
+    # Steps that do not draft may defer KV injection (`kv_injection.DeferredRows`): on CPU
+    # an injection costs nearly the same for one row as for many; on GPU it is one kernel.
+    defer_injection: bool = False
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -133,6 +136,7 @@ CPU = Platform(
     overlap_schedule=False,
     sleep_on_idle=True,
     prepare_draft_model=_cpu_draft_model,
+    defer_injection=True,
 )
 CUDA = Platform(
     name="cuda",

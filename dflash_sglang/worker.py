@@ -34,6 +34,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     enable_num_token_non_padded,
 )
 from sglang.srt.runtime_context import get_exec, get_parallel
+from sglang.srt.speculative.base_spec_worker import HiCacheDraftMode
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
@@ -126,6 +127,9 @@ class DFlashXWorker(DFlashWorkerV2):
         self._previous_reqs: list = []  # the last decode batch's requests (shared lookup)
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
+        self._deferred: kv_injection.DeferredRows | None = None
+        if self.platform.defer_injection and self.options.defer_rows:
+            self._deferred = kv_injection.DeferredRows(self.options.defer_rows)
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
         self._verify_graphs = self.platform.verify_graphs(
             self.target_worker.model_runner, self.planner.widths, int(self.block_size)
@@ -159,6 +163,7 @@ class DFlashXWorker(DFlashWorkerV2):
     ) -> GenerationBatchResult:
         mode = batch.forward_mode
         if mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
+            self._write_deferred()  # a prefill may read radix-cached draft KV
             # Prefill (target forward + KV injection of prompt features) is upstream's.
             result = super().forward_batch_generation(
                 batch, on_publish, grammar_barrier, pp_proxy_tensors
@@ -179,6 +184,8 @@ class DFlashXWorker(DFlashWorkerV2):
         prefix_lens = batch.seq_lens
         host_lens = self._host_prefix_lens(batch, draft_input)
         start = self._observe_step_start()
+        if self._deferred is not None and self._deferred.left_batch(batch.reqs):
+            self._write_deferred()
         plan = self.plan_step(batch, host_lens)
 
         # 1) Propose; 2) verify the first `width` tokens in one causal target forward;
@@ -206,7 +213,7 @@ class DFlashXWorker(DFlashWorkerV2):
 
         # 4) Inject the committed tokens' target features into the draft KV cache, whichever
         # source proposed them, so the drafter can resume at any step.
-        self._inject_committed(logits_output, slots, accepted.commit_lens)
+        self._inject_committed(logits_output, slots, accepted.commit_lens, batch.reqs)
         self._pending_plans.append(plan)
         record = StepRecord(plan, accepted.accept_lens, t1 - t0, t2 - t1)
         for observe in self.step_observers:
@@ -228,6 +235,7 @@ class DFlashXWorker(DFlashWorkerV2):
         width, its graphs unchanged) when any request takes it; suffix proposals replace
         the rows of requests that take them."""
         if plan.run_draft:
+            self._write_deferred()  # the drafter reads every committed token's draft KV
             drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
         else:
             drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
@@ -593,20 +601,37 @@ class DFlashXWorker(DFlashWorkerV2):
         coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
         return acceptance.sampled_accept(candidates, probs, coins, self._generator)
 
-    def _inject_committed(self, logits_output, slots: BlockSlots, commit_lens: torch.Tensor):
+    def _inject_committed(self, logits_output, slots: BlockSlots, commit_lens, reqs) -> None:
+        """Write the committed rows' draft K/V now, or hold them for a later batched write
+        (`kv_injection.DeferredRows`, CPU)."""
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DFLASH_X verify returned no target hidden states")
+        logits_output.hidden_states = None
         bs, width = commit_lens.numel(), slots.width
         draft_loc = self._draft_write_ids(slots.kv_loc_plan)
+        hidden = hidden[: bs * width]
+        # HiCache may copy draft KV to the host once a step returns: rows must be written.
+        if self._deferred is not None and self.hicache_draft_plan.mode == HiCacheDraftMode.NONE:
+            if self._deferred.add(hidden, slots.positions, draft_loc, commit_lens, reqs):
+                self._write_deferred()
+            return
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden[: bs * width],
+            target_hidden=hidden,
             cache_loc=draft_loc,
             positions=slots.positions,
             cache_loc_2d=draft_loc.view(bs, width),
             commit_lens=commit_lens,
         )
-        logits_output.hidden_states = None
+
+    def _write_deferred(self) -> None:
+        """Inject every deferred row in one call (all of them committed)."""
+        rows = self._deferred.take() if self._deferred is not None else None
+        if rows is not None:
+            hidden, positions, draft_loc = rows
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden, cache_loc=draft_loc, positions=positions
+            )
 
     def _append_target_hidden_to_draft_kv_by_loc(
         self,

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_sglang.draft_vocab import most_frequent
 from dflash_sglang.drafter import DFlashDrafter
+from dflash_sglang.loadtest import server_metrics
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.__main__ import main
 from dflash_sglang.training.data import read_samples
@@ -70,6 +71,45 @@ def _serve_and_compare(run, drafter_dir, samples, log_path) -> None:
         server.stop()
 
 
+def _drafts_by_source(server: Server, samples) -> tuple[list, dict[tuple[str, str], float]]:
+    """(output ids and verify steps per request, {(counter, source): delta}) of `samples`."""
+    before = server_metrics.scrape(server.url)
+    results = []
+    for s in samples:
+        meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
+        results.append((meta["output_ids"], meta["meta_info"]["spec_verify_ct"]))
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
+    counts = {
+        (name, source): deltas.get(server_metrics.sample_key(name, {"source": source}), 0)
+        for name in ("dflash_num_drafts_total", "dflash_num_accepted_tokens_total")
+        for source in ("dflash", "suffix")
+    }
+    return results, counts
+
+
+def _deferred_injection_drafts_as_immediate(run, drafter_dir, samples, log_dir) -> None:
+    """Suffix proposals taken whenever one exists, the DFlash block otherwise: the drafter
+    runs on some steps only, so rows of the steps between wait in `DeferredRows` (the
+    default on CPU). Every DFlash proposal must still see the draft KV it would have seen
+    with injection every step: the same steps and acceptance per source."""
+    args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
+    args += ["--speculative-draft-model-path", str(drafter_dir)]
+    args += ["--dflash-adaptive", "off", "--dflash-suffix", "always"]
+    got = {}
+    for name, extra in (("deferred", []), ("every_step", ["--dflash-defer-injection", "0"])):
+        server = Server([*args, *extra], log_dir / f"{name}.log")
+        try:
+            got[name] = _drafts_by_source(server, samples)
+        finally:
+            server.stop()
+    assert got["deferred"] == got["every_step"]
+    counts = got["deferred"][1]
+    # Steps that did not draft (one request at a time, its suffix proposal taken), and
+    # drafts the target accepted: deferred rows were written before the drafter ran.
+    assert counts["dflash_num_drafts_total", "suffix"] > 0, counts
+    assert counts["dflash_num_accepted_tokens_total", "dflash"] > 0, counts
+
+
 def test_generated_data_is_the_targets_greedy_output(run):
     samples = read_samples(run["data"])
     assert len(samples) == PROMPTS and len({s["id"] for s in samples}) == PROMPTS
@@ -91,6 +131,7 @@ def test_training_raises_tau_and_the_server_agrees(run, models, tmp_path):
     assert tau > 1.3, f"τ {tau:.2f} on its own training prompts"
 
     _serve_and_compare(run, out / "drafter", samples, tmp_path / "server.log")
+    _deferred_injection_drafts_as_immediate(run, out / "drafter", samples, tmp_path)
 
 
 def test_resumed_training_equals_uninterrupted(run):
