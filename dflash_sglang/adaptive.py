@@ -24,11 +24,12 @@ import math
 from collections.abc import Sequence
 
 # Step cost, seconds per [step, request, verified token, drafted token], as profiled for the
-# embedded SmolLM2 pair on a 2-core CPU (bench/profile_step.py: a plain step 115 ms at 1
-# request and 155 ms at 8, +1.6 ms per verified and +1.4 ms per drafted token); each server
-# replaces it with its own measurements within a few steps. The draft forward's fixed cost
-# starts at 0 (its prior is the per-token cost alone).
-DEFAULT_CPU_PRIOR = (0.11, 0.005, 0.0016, 0.0014)
+# embedded SmolLM2 pair on a 2-core CPU (bench/profile_step.py, README "Where a step's time
+# goes": a width-1 step ~23 ms at 1 request and ~42 ms at 16, the whole block +8.9 ms for 15
+# more verified tokens, the drafter 6.1 ms for 16); each server replaces it with its own
+# measurements within a few steps. The draft forward's fixed cost starts at 0 (its prior is
+# the per-token cost alone).
+DEFAULT_CPU_PRIOR = (0.022, 0.0006, 0.0006, 0.0004)
 
 _MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive
 # A measurement over this many times its prediction is a stall, unless the next one is too.
@@ -122,9 +123,17 @@ class CostModel:
     from noisy step times and a few exploring steps it under-priced the drafter at one
     request (DFLASH_X drafting at a loss, 0.89x plain decoding).
 
-    Each part minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ |θ - prior|^2  (λ = `forgetting`,
-    δ = `prior_strength`) with every coefficient >= 0: a step never costs less for more
-    requests or tokens. (Only the per-token costs were constrained once: fitted on a
+    Each part minimises  sum_i λ^(n-i) (y_i - θ·x_i)^2 + δ sum_j ((θ_j - prior_j) / s_j)^2
+    (λ = `forgetting`, δ = `prior_strength`, s_j = prior_j, or the part's largest prior
+    coefficient where prior_j is 0) with every coefficient >= 0: a step never costs less for
+    more requests or tokens. The ridge is relative: where the data cannot tell coefficients
+    apart (steps of one request at one width, the common case at low load) the fit moves
+    each in proportion to its prior, so the fixed cost absorbs what the prior got wrong.
+    An absolute ridge moved them in proportion to their features instead, and the
+    verified-token cost, whose feature is the largest, took it all: fitted on steps of one
+    width against a prior 5x too slow, every width was predicted to cost the same, and the
+    planner verified the whole block with the drafter at one request (0.77x plain decoding
+    on MT-Bench, README). (Only the per-token costs were constrained once: fitted on a
     server's warm-up alone, steps of one request, the fixed and per-request costs are not
     separable, the fit traded one against the other, and a negative per-request cost then
     predicted 0 s for a whole 16-token step of 16 requests: three drafting steps of 0.4 s
@@ -143,7 +152,7 @@ class CostModel:
     """
 
     def __init__(
-        self, prior: Sequence[float], forgetting: float = 0.99, prior_strength: float = 1e-3
+        self, prior: Sequence[float], forgetting: float = 0.99, prior_strength: float = 1e-6
     ):
         if len(prior) != _NUM_FEATURES:
             raise ValueError(f"prior must have {_NUM_FEATURES} coefficients, got {len(prior)}")
@@ -193,9 +202,10 @@ class _LeastSquares:
     ):
         n = len(prior)
         self._prior = [float(c) for c in prior]
+        largest = max((abs(c) for c in self._prior), default=0.0) or 1.0
+        self._weight = [strength / (abs(c) or largest) ** 2 for c in self._prior]
         self._nonnegative = nonnegative
         self._forgetting = forgetting
-        self._strength = strength
         self._gram = [[0.0] * n for _ in range(n)]
         self._moment = [0.0] * n
         self._theta = self._fit()
@@ -219,18 +229,19 @@ class _LeastSquares:
         self._theta = self._fit()
 
     def _fit(self) -> list[float]:
-        """argmin θᵀAθ - 2bᵀθ with A = G + δI, b = m + δ·prior, θ_i >= 0 for constrained i.
+        """argmin θᵀAθ - 2bᵀθ with A = G + W, b = m + W·prior (W = diag(δ / s²)), θ_i >= 0
+        for constrained i.
 
         A is positive definite, so the constrained optimum is the unconstrained optimum on the
         face of its active constraints: solve on every face, keep the best feasible one (the
         face with all constrained coefficients at zero is always feasible).
         """
-        n, d = len(self._prior), self._strength
+        n, w = len(self._prior), self._weight
         a = [
-            [g + (d if i == j else 0.0) for j, g in enumerate(row)]
+            [g + (w[i] if i == j else 0.0) for j, g in enumerate(row)]
             for i, row in enumerate(self._gram)
         ]
-        b = [m + d * p for m, p in zip(self._moment, self._prior, strict=True)]
+        b = [m + wi * p for m, wi, p in zip(self._moment, w, self._prior, strict=True)]
         best, best_obj = [0.0] * n, math.inf
         faces = (
             zeroed

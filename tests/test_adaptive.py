@@ -141,6 +141,18 @@ def test_cost_model_fitted_on_one_request_never_prices_a_larger_batch_cheaper():
     assert model.predict(16, 256, 256) > model.predict(16, 256, 0) + 0.1  # the drafter's prior
 
 
+def test_cost_model_fitted_at_one_width_keeps_wider_steps_dearer():
+    """Steps of one request at one width cannot tell the fixed cost from the per-token one.
+    The fit must keep the prior's slope there rather than price every width the same: an
+    absolute ridge did, from a prior 5x too slow, and the planner then verified the whole
+    block with the drafter at one request, at a loss."""
+    model = CostModel(tuple(5 * c for c in DEFAULT_CPU_PRIOR))
+    for _ in range(30):
+        model.observe(1, 4, 0, 0.020 + 0.0006 * 4)
+    assert model.predict(1, 4, 0) == pytest.approx(0.0224, rel=0.01)
+    assert model.predict(1, 16, 0) - model.predict(1, 4, 0) > 12 * 0.0006
+
+
 def test_cost_model_forgets_an_old_cost():
     rng = random.Random(2)
     slow = tuple(2 * c for c in TRUE_COST)
