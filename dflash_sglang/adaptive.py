@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 # Step cost, seconds per [step, request, verified token, drafted token], as profiled for the
 # embedded SmolLM2 pair on a 2-core CPU (bench/profile_step.py, README "Where a step's time
-# goes": a width-1 step ~23 ms at 1 request and ~42 ms at 16, the whole block +8.9 ms for 15
-# more verified tokens, the drafter 6.1 ms for 16); each server replaces it with its own
-# measurements within a few steps. The draft forward's fixed cost starts at 0 (its prior is
-# the per-token cost alone).
+# goes": a width-1 step 24.3 ms at 1 request, 0.9 ms of it KV injection now deferred, and
+# 41.6 ms at 16; the whole block +8.9 ms for 15 more verified tokens, the drafter 6.1 ms for
+# 16); each server replaces it with its own measurements within a few steps. The draft
+# forward's fixed cost starts at 0 (its prior is the per-token cost alone).
 DEFAULT_CPU_PRIOR = (0.022, 0.0006, 0.0006, 0.0004)
 
 _MIN_SECONDS = 1e-6  # floor on a predicted step: scores stay finite and positive

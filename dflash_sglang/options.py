@@ -17,8 +17,8 @@ DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
 PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
 # Tokens of finished outputs the shared suffix lookup holds (~45 MB of n-gram table).
 DEFAULT_SHARED_TOKENS = 262144
-# Committed rows whose draft-KV injection may wait for one batched write (CPU): ~1.5 MB of
-# features for the embedded pair, a write of ~2-4 ms.
+# Committed rows whose draft-KV injection may wait for one batched write (CPU): 1.5 MB of
+# bf16 features for the embedded pair (256 x 2,880 x 2 bytes).
 DEFAULT_DEFER_ROWS = 256
 
 
