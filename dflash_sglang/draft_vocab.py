@@ -35,13 +35,24 @@ def draft_argmax(
 ) -> torch.Tensor:
     """Greedy proposals in full-vocabulary ids, from the full lm_head weight."""
     if vocab_ids is None:
-        return (hidden @ head_weight.T).argmax(-1)
+        return head_argmax(hidden, head_weight)
     return select(hidden, head_weight[vocab_ids], vocab_ids)
 
 
 def select(hidden: torch.Tensor, vocab_head: torch.Tensor, vocab_ids: torch.Tensor):
     """Greedy proposals from the lm_head rows of the draft vocabulary (`vocab_head`)."""
-    return vocab_ids[(hidden @ vocab_head.T).argmax(-1)]
+    return vocab_ids[head_argmax(hidden, vocab_head)]
+
+
+def head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`argmax(hidden @ weight.T)` over the last dim, as one 2-D GEMM.
+
+    A strided 3-D `hidden` (the worker's `[bs, B, d][:, 1:]`) sends `@` down a batched
+    path that on CPU costs 11x the GEMM at 4 requests and 14x at 16 (bf16, 8,192 rows:
+    20 ms vs 1.8 ms), more than a whole plain decoding step.
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return torch.nn.functional.linear(rows, weight).argmax(-1).view(hidden.shape[:-1])
 
 
 def load_ids(draft_dir: str | Path) -> torch.Tensor | None:
