@@ -77,6 +77,9 @@ ARMS = {
     # Attention of decode and narrow verify batches in SDPA, as before grouped matmuls.
     "ar_sdpa": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "sdpa"],
     "dx_sdpa": [*WARM, "--dflash-cpu-attention", "sdpa"],
+    # Few-row attention as grouped matmuls over gathered K/V, as before the C++ kernel.
+    "ar_grouped": ["--speculative-algorithm", "NONE", "--dflash-cpu-attention", "grouped"],
+    "dx_grouped": [*WARM, "--dflash-cpu-attention", "grouped"],
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 BASE = "@base"

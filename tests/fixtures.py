@@ -58,6 +58,7 @@ def make_tiny_target(out: Path, seed: int = 0) -> Path:
         num_hidden_layers=TARGET_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=64,  # a width the CPU paged-attention kernel serves, so servers run it
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,  # SmolLM2's; not the default, so a draft must carry it through

@@ -27,6 +27,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 from dflash_sglang import backends  # noqa: E402
 from dflash_sglang.cpu_platform import attention  # noqa: E402
+from dflash_sglang.kernels import cpu_attention  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -248,8 +249,46 @@ def test_sdpa_setting_never_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case(*SCENARIOS["decode"])
     out = run(case)
     assert case.backend.forward_metadata.grouped is False
+    assert case.backend.forward_metadata.paged is False
     torch.testing.assert_close(out, run(grouped))
     assert grouped.backend.forward_metadata.grouped is True
+
+
+KERNEL_LAYER = dict(heads=9, kv_heads=3, head_dim=64)  # the embedded SmolLM2's heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("encoder_only", [False, True], ids=["causal", "encoder-only"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_paged_kernel_serves_few_row_batches(
+    scenario: str, encoder_only: bool, dtype: torch.dtype
+) -> None:
+    """The default setting: batches of at most 8 rows per request (a request alone too)
+    take the C++ kernel, and every batch still matches the reference."""
+    if not cpu_attention.available():
+        pytest.skip("the C++ kernel is not built here (tests/test_cpu_paged_attention.py)")
+    mode, prefix_lens, new_lens = SCENARIOS[scenario]
+    attn_type = AttentionType.ENCODER_ONLY if encoder_only else AttentionType.DECODER
+    layer = make_layer(attn_type=attn_type, **KERNEL_LAYER)
+    case = make_case(mode, prefix_lens, new_lens, dtype, layer)
+    out = run(case)
+    metadata = case.backend.forward_metadata
+    assert metadata.paged is (not metadata.position_aligned and metadata.q_rows <= 8)
+    assert metadata.paged is (scenario in ("extend-prefix", "decode", "verify", "decode-alone"))
+    assert_matches(out, reference(case, causal=not encoder_only), dtype)
+
+
+def test_grouped_setting_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--dflash-cpu-attention grouped`: the gathered-KV matmuls, equal to the kernel."""
+    layer = make_layer(**KERNEL_LAYER)
+    paged = make_case(*SCENARIOS["decode"], layer=layer)
+    monkeypatch.setenv(cpu_platform.ATTENTION_ENV, "grouped")
+    case = make_case(*SCENARIOS["decode"], layer=layer)
+    out = run(case)
+    assert case.backend.forward_metadata.paged is False
+    assert case.backend.forward_metadata.grouped is True
+    torch.testing.assert_close(out, run(paged))
+    assert paged.backend.forward_metadata.paged is cpu_attention.available()
 
 
 def test_single_request_verify_needs_no_padding() -> None:

@@ -3,9 +3,11 @@
 SGLang's `torch_native` backend loops over requests in Python and has no TARGET_VERIFY
 path, and `intel_amx` needs the sgl-kernel CPU build. This backend pads the whole batch
 once per forward (slot table, query rows, masks) and runs every layer as one
-`scaled_dot_product_attention` call, or, for batches with few query rows per request
-(decode, narrow verify), as two grouped matmuls, which SDPA's CPU kernel is several times
-slower than there. It serves the target model (extend, decode, causal verify) and the
+`scaled_dot_product_attention` call. Batches with few query rows per request (decode,
+narrow verify) take our C++ kernel (`dflash_sglang.kernels.cpu_attention`), which reads
+K/V straight from the pool through the slot table; where it cannot be built, two grouped
+matmuls over gathered K/V, which SDPA's CPU kernel is several times slower than there. It
+serves the target model (extend, decode, causal verify) and the
 DFlash draft (non-causal verify block, `AttentionType.ENCODER_ONLY`).
 """
 
@@ -23,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from dflash_sglang.cpu_platform import ATTENTION_ENV
+from dflash_sglang.kernels import cpu_attention
 from dflash_sglang.platform import CPU_ATTENTION_BACKEND
 
 if TYPE_CHECKING:
@@ -55,6 +58,12 @@ class PaddedBatch:
     full_mask: torch.Tensor | None
     # Few query rows per request in a batch (decode, narrow verify): `grouped_attention`.
     grouped: bool
+    # Few query rows per request, the C++ kernel built: `cpu_attention.paged_attention`,
+    # which reads `kv_slots` through these int64 [bs] lengths and packed query offsets.
+    paged: bool
+    kv_lens: torch.Tensor
+    q_lens: torch.Tensor
+    q_starts: torch.Tensor
 
 
 def kv_slot_table(
@@ -128,6 +137,7 @@ def build_padded_batch(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     grouped_max_rows: int = GROUPED_MAX_ROWS,
+    paged: bool = False,
 ) -> PaddedBatch:
     """Everything the layers share for one forward; maxima are read once here.
 
@@ -135,6 +145,8 @@ def build_padded_batch(
     right for decode and verify), or `kv_max` rows placing each query at its own position
     so the kernel's built-in causal skipping applies (cost ~ kv_max**2 / 2, right for
     prefill). The lengths are host tensors on CPU: the `int(...)` reads cost no sync.
+    `paged`: the kernel is built and allowed; batches with at most `grouped_max_rows` rows
+    per request, a request alone included, then take it.
     """
     q_lens, kv_lens = q_lens.long(), kv_lens.long()
     batch_size = q_lens.shape[0]
@@ -149,7 +161,7 @@ def build_padded_batch(
         causal_mask = None if bool(causal_mask.all()) else causal_mask
     full_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=False)
     identity_rows = num_tokens == batch_size * q_rows
-    grouped = not position_aligned and q_rows <= grouped_max_rows and batch_size > 1
+    few_rows = not position_aligned and q_rows <= grouped_max_rows
     return PaddedBatch(
         batch_size=batch_size,
         q_rows=q_rows,
@@ -161,7 +173,11 @@ def build_padded_batch(
         position_aligned=position_aligned,
         causal_mask=causal_mask,
         full_mask=None if bool(full_mask.all()) else full_mask,
-        grouped=grouped,
+        grouped=few_rows and batch_size > 1,
+        paged=paged and few_rows,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        q_starts=torch.cumsum(q_lens, 0) - q_lens,
     )
 
 
@@ -257,6 +273,17 @@ def grouped_attention(
     return torch.matmul(probs, value).view(bs, heads, rows, value.shape[-1])
 
 
+def kernel_fits(layer: RadixAttention, dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
+    """What `cpu_attention.paged_attention` computes: plain softmax, its dims and dtypes."""
+    return (
+        layer.logit_cap <= 0
+        and layer.qk_head_dim in (64, 128)
+        and layer.v_head_dim == layer.qk_head_dim
+        and dtype in (torch.bfloat16, torch.float32)
+        and pool_dtype == dtype
+    )
+
+
 class DFlashCPUAttnBackend(AttentionBackend):
     """Batched attention over SGLang's paged KV pool, for CPU serving."""
 
@@ -265,9 +292,11 @@ class DFlashCPUAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: PaddedBatch | None = None
-        # The launcher's `--dflash-cpu-attention`; `sdpa` never takes the grouped matmuls.
-        sdpa_only = os.environ.get(ATTENTION_ENV, "grouped") == "sdpa"
-        self.grouped_max_rows = 0 if sdpa_only else GROUPED_MAX_ROWS
+        # The launcher's `--dflash-cpu-attention`: `paged` (the kernel, else grouped),
+        # `grouped`, or `sdpa` (never the kernel nor the grouped matmuls).
+        mode = os.environ.get(ATTENTION_ENV, "paged")
+        self.grouped_max_rows = 0 if mode == "sdpa" else GROUPED_MAX_ROWS
+        self.paged = mode == "paged" and cpu_attention.available()
         self._check_pool_supported()
 
     def _check_pool_supported(self) -> None:
@@ -296,6 +325,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
             self.grouped_max_rows,
+            self.paged,
         )
 
     def forward_extend(
@@ -345,6 +375,19 @@ class DFlashCPUAttnBackend(AttentionBackend):
         batch = self.forward_metadata
         if batch is None:
             raise RuntimeError(f"{CPU_ATTENTION_BACKEND}: init_forward_metadata was not called")
+        if batch.paged and kernel_fits(layer, q.dtype, self.token_to_kv_pool.dtype):
+            out = cpu_attention.paged_attention(
+                q.reshape(-1, heads, head_dim).contiguous(),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                batch.kv_slots,
+                batch.kv_lens,
+                batch.q_lens,
+                batch.q_starts,
+                causal=layer.attn_type != AttentionType.ENCODER_ONLY,
+                scale=layer.scaling,
+            )
+            return out.view(-1, heads * v_head_dim)
 
         query = self._padded_queries(q.reshape(-1, heads, head_dim), batch)
         key = self._gathered(self.token_to_kv_pool.get_key_buffer(layer.layer_id), batch, q.dtype)

@@ -115,12 +115,13 @@ def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list
     """
     import torch
 
+    from dflash_sglang.draft_vocab import head_argmax
     from dflash_sglang.training.blocks import IGNORE
     from dflash_sglang.training.train import draft_blocks
 
     with torch.no_grad():
         b, hidden = draft_blocks(drafter, embed, example, anchors, gamma=1.0)
-        local = (hidden @ head.weight.T).argmax(-1)
+        local = head_argmax(hidden, head.weight)
     ids = drafter.draft_vocab_ids
     drafts = (local if ids is None else ids[local]).view(len(anchors), -1)[:, 1:]
     labels = b.labels.view(len(anchors), -1)[:, 1:]

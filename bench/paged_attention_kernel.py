@@ -1,0 +1,75 @@
+"""One attention layer of the embedded SmolLM2 (bf16, 9 query / 3 KV heads of 64) over a
+paged pool with scattered slots: the torch path `dflash_cpu` took before (gather K/V into a
+padded copy, then `grouped_attention`) against the C++ kernel reading the pool in place.
+The gather is timed, as the server pays it every layer.
+
+    python bench/paged_attention_kernel.py [--threads 2] [--shapes 1x1x512,4x1x512,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from packed_gemm import ms_per_call
+
+from dflash_sglang.cpu_platform.attention import attention_mask, grouped_attention
+from dflash_sglang.kernels import cpu_attention
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+POOL_SLOTS = 200_000
+SHAPES = "1x1x512,4x1x512,16x1x512,1x4x512,4x4x512,4x8x512"
+
+
+def gather_then_grouped(q, k_pool, v_pool, slots, mask):
+    bs, keys = slots.shape
+    rows = q.shape[0] // bs
+
+    def gathered(pool):
+        flat = pool.index_select(0, slots.view(-1)).view(bs, keys, KV_HEADS, DIM)
+        return flat.transpose(1, 2).contiguous()
+
+    query = q.view(bs, rows, HEADS, DIM).transpose(1, 2)
+    return grouped_attention(query, gathered(k_pool), gathered(v_pool), mask, DIM**-0.5)
+
+
+def time_shape(bs: int, rows: int, keys: int, k_pool, v_pool) -> tuple[float, float]:
+    """ms per layer before (gather + grouped) and after (the kernel)."""
+    slots = torch.randperm(POOL_SLOTS)[: bs * keys].view(bs, keys)
+    kv_lens, q_lens = torch.full((bs,), keys), torch.full((bs,), rows)
+    q = torch.randn(bs * rows, HEADS, DIM, dtype=torch.bfloat16)
+    mask = attention_mask(q_lens, kv_lens, rows, keys, causal=True)
+    mask = None if bool(mask.all()) else mask
+    before = ms_per_call(lambda: gather_then_grouped(q, k_pool, v_pool, slots, mask))
+    starts = torch.arange(bs) * rows
+    after = ms_per_call(
+        lambda: cpu_attention.paged_attention(
+            q, k_pool, v_pool, slots, kv_lens, q_lens, starts, causal=True, scale=DIM**-0.5
+        )
+    )
+    return before, after
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--shapes", default=SHAPES, help="requests x query rows x keys, comma-separated"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_attention.available():
+        raise SystemExit("the kernel is not built here (see the log)")
+    k_pool = torch.randn(POOL_SLOTS, KV_HEADS, DIM, dtype=torch.bfloat16)
+    v_pool = torch.randn(POOL_SLOTS, KV_HEADS, DIM, dtype=torch.bfloat16)
+    print("| requests × query rows × keys | gather + grouped matmuls (ms) | kernel (ms) | × |")
+    print("|---|---|---|---|")
+    with torch.inference_mode():
+        for shape in args.shapes.split(","):
+            bs, rows, keys = map(int, shape.split("x"))
+            before, after = time_shape(bs, rows, keys, k_pool, v_pool)
+            print(f"| {bs} × {rows} × {keys} | {before:.3f} | {after:.3f} | {before / after:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Paged attention for few query rows on CPU (`cpu/paged_attention.cpp`), built on first use.
+
+torch's C++ extension loader compiles the source once per machine (~30 s, cached under
+`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`) and loads the cached build
+afterwards; a changed source or flag rebuilds. `-march=native` is safe because the cache is
+per machine. `available()` is False, with the reason logged once, when no compiler can
+build it: callers then keep their torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None (logged) when it cannot be built here."""
+    from torch.utils import cpp_extension
+
+    logger.info("Loading the CPU paged attention kernel (the first build takes ~30 s)")
+    try:
+        return cpp_extension.load(
+            name="dflash_cpu_paged_attention",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler, headers or ninja
+        logger.warning("CPU paged attention not built (%s); using the torch path", e)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed)."""
+    return extension() is not None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """`[tokens, heads, v_dim]` attention of packed query rows over their requests' keys.
+
+    Query row r of request b is token `q_starts[b] + r` and sits at key position
+    `kv_lens[b] - q_lens[b] + r`; causal rows see keys up to it, others all `kv_lens[b]`.
+    Keys and values are read through `slot_table[b, :kv_lens[b]]` from the pool buffers
+    (`[slots, kv_heads, dim]`); softmax and accumulation in fp32. Equal to
+    `torch_paged_attention`, which the tests hold it to.
+    """
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("CPU paged attention is not built here (see the log)")
+    return ext.paged_attention(
+        q, k_buffer, v_buffer, slot_table, kv_lens, q_lens, q_starts, causal, scale
+    )
+
+
+def torch_paged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention, one request at a time in plain fp32 torch: the reference."""
+    heads, v_dim = q.shape[1], v_buffer.shape[-1]
+    out = q.new_empty((q.shape[0], heads, v_dim))
+    for b in range(kv_lens.shape[0]):
+        kv_len, rows, start = int(kv_lens[b]), int(q_lens[b]), int(q_starts[b])
+        slots = slot_table[b, :kv_len]
+        group = heads // k_buffer.shape[1]
+        key = k_buffer[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        value = v_buffer[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        query = q[start : start + rows].float().transpose(0, 1)
+        scores = query @ key.transpose(-1, -2) * scale
+        if causal:
+            position = kv_len - rows + torch.arange(rows)
+            hidden = torch.arange(kv_len)[None, :] > position[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out[start : start + rows] = (scores.softmax(-1) @ value).transpose(0, 1).to(q.dtype)
+    return out
