@@ -45,8 +45,11 @@ def make_tokenizer(out: Path):
     return hf
 
 
-def make_tiny_target(out: Path, seed: int = 0) -> Path:
-    """A 4-layer Llama (SmolLM2's architecture) with random weights, bf16 on disk."""
+def make_tiny_target(out: Path, seed: int = 0, head_dim: int = 64) -> Path:
+    """A 4-layer Llama (SmolLM2's architecture) with random weights, bf16 on disk.
+
+    Heads of 64 by default: a width the CPU paged-attention kernel serves, so servers run it.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,7 @@ def make_tiny_target(out: Path, seed: int = 0) -> Path:
         num_hidden_layers=TARGET_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,  # a width the CPU paged-attention kernel serves, so servers run it
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,  # SmolLM2's; not the default, so a draft must carry it through
