@@ -11,6 +11,7 @@ from dflash_sglang.training.blocks import (
     IGNORE,
     attention_mask,
     build_blocks,
+    consistent_slots,
     default_gamma,
     loss_weights,
     sample_anchors,
@@ -78,3 +79,20 @@ def test_anchors_are_distinct_sorted_response_positions():
     few = sample_anchors(loss_mask, 100, torch.Generator().manual_seed(0))
     assert len(few) == 19  # every response position but the last
     assert len(sample_anchors(torch.zeros(5), 4, torch.Generator())) == 0
+
+
+def test_consistent_slots_stop_after_the_first_disagreement():
+    agree = torch.tensor(
+        [
+            [False, True, True, True, True],  # slot 0 (the anchor) is never checked
+            [True, False, True, True, True],  # slot 1 disagrees: slot 1 kept, 2.. dropped
+            [True, True, True, False, True],  # slot 3 disagrees: slots up to 3 kept
+            [True, True, True, True, False],  # the last slot's own agreement matters to none
+        ]
+    )
+    assert consistent_slots(agree).int().tolist() == [
+        [1, 1, 1, 1, 1],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1],
+    ]

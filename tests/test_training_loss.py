@@ -3,6 +3,7 @@ which is what makes someone else's text usable as training data."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_sglang.drafter import DraftConfig
@@ -25,7 +26,7 @@ CONFIG = DraftConfig(
 )
 
 
-def _loss(example: Example, head: Head, target_labels: bool) -> float:
+def _loss(example: Example, head: Head, target_labels: bool, consistent: bool = False) -> float:
     torch.manual_seed(0)
     embed = torch.nn.Embedding(V, H)
     loss, _ = block_loss(
@@ -37,6 +38,7 @@ def _loss(example: Example, head: Head, target_labels: bool) -> float:
         gamma=7.0,
         distill=0.0,
         target_labels=target_labels,
+        consistent=consistent,
     )
     return loss.item()
 
@@ -63,3 +65,37 @@ def test_target_labels_are_the_targets_argmax_at_the_previous_position():
     relabelled[[5, 6, 7, 10, 11]] = 7
     expected = _loss(_example(relabelled, torch.roll(ids, -1), weight), head, False)
     assert _loss(sevens, head, True) == expected != _loss(sevens, head, False)
+
+
+def test_consistent_labels_drop_slots_after_the_data_leaves_the_targets_path():
+    weight = torch.linalg.qr(torch.randn(V, V))[0][:, :H].contiguous() * 4
+    head = Head(weight, None)
+    ids = torch.randint(0, V - 2, (S,), generator=torch.Generator().manual_seed(2))
+    says = torch.roll(ids, -1)
+    # Where the data follows the target everywhere nothing is dropped.
+    assert _loss(_example(ids, says, weight), head, True, consistent=True) == _loss(
+        _example(ids, says, weight), head, True
+    )
+    # The target disagrees with the data at position 6 (block 0, slot 2: it says V-2 after
+    # position 5). Slot 3's label (said at position 6) then follows the data's path, not
+    # the target's: with consistent labels it has no effect on the loss; without, it has.
+    says[5] = V - 2
+    a, b = says.clone(), says.clone()
+    b[6] = (says[6] + 1) % (V - 2)
+    with_a = _example(ids, a, weight)
+    with_b = _example(ids, b, weight)
+    assert _loss(with_a, head, True, consistent=True) == _loss(with_b, head, True, consistent=True)
+    assert _loss(with_a, head, True) != _loss(with_b, head, True)
+    # The disagreeing slot itself still counts (its label is the target's, on its path).
+    c = says.clone()
+    c[5] = V - 3
+    assert _loss(with_a, head, True, consistent=True) != _loss(
+        _example(ids, c, weight), head, True, consistent=True
+    )
+
+
+def test_consistent_labels_need_the_targets_labels():
+    weight = torch.randn(V, H)
+    ids = torch.randint(0, V - 1, (S,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="labels='target'"):
+        _loss(_example(ids, torch.roll(ids, -1), weight), Head(weight, None), False, True)

@@ -192,6 +192,8 @@ def cmd_train(a: argparse.Namespace) -> None:
     from dflash_sglang.training import data, features, train
 
     torch.set_num_threads(a.threads)
+    if a.consistent_labels and a.labels != "target":
+        raise CliError("--consistent-labels needs --labels target")
     if bool(a.features_dir) == bool(a.data):
         raise CliError("give exactly one of --features-dir (cached) or --data (online features)")
     source = _existing_dir("--features-dir", a.features_dir) if a.features_dir else None
@@ -239,6 +241,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         distill=a.distill,
         gamma=a.gamma,
         labels=a.labels,
+        consistent=a.consistent_labels,
         seed=a.seed,
         device=a.device,
         bf16=a.bf16,
@@ -454,6 +457,12 @@ def parser() -> argparse.ArgumentParser:
         default="text",
         help="text: the data's tokens; target: the target's own argmax at each position "
         "(for generate --responses dataset)",
+    )
+    t.add_argument(
+        "--consistent-labels",
+        action="store_true",
+        help="with --labels target: no loss on a block's slots after the first where the "
+        "data's token differs from the target's choice (their label follows another path)",
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")

@@ -88,6 +88,22 @@ def build_blocks(
     )
 
 
+def consistent_slots(agree: torch.Tensor) -> torch.Tensor:
+    """Slots whose label continues the target's own greedy path: `agree` is [N, bs] bool,
+    True where the data's token at a slot equals the target's choice there.
+
+    With `--labels target` on text the target did not write, slot k's label is the target's
+    argmax after the DATA's tokens at slots 1..k-1. At inference slot k counts only when
+    slots 1..k-1 were accepted, i.e. equal the target's choices, so that label is the right
+    one exactly when the data agreed at every earlier slot:
+
+        valid[n, k] = ∏_{1 ≤ j < k} agree[n, j]     (slots 0 and 1 always valid)
+    """
+    valid = torch.ones_like(agree, dtype=torch.bool)
+    valid[:, 2:] = torch.cumprod(agree[:, 1:-1].int(), dim=1).bool()
+    return valid
+
+
 def default_gamma(block_size: int) -> float:
     """The paper's decay: 7 for block 16, 5 for 10, 4 for 8 (interpolated otherwise)."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, math.log2(block_size) * 1.75))

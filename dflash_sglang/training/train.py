@@ -19,7 +19,13 @@ import torch.nn.functional as F
 
 from dflash_sglang.drafter import DFlashDrafter, DraftConfig
 from dflash_sglang.training import features as feature_cache
-from dflash_sglang.training.blocks import Blocks, build_blocks, default_gamma, sample_anchors
+from dflash_sglang.training.blocks import (
+    Blocks,
+    build_blocks,
+    consistent_slots,
+    default_gamma,
+    sample_anchors,
+)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None = the paper's value for the block size
     distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
     labels: str = "text"  # "text": the data's tokens; "target": the target's own argmax
+    consistent: bool = False  # with labels="target": drop slots after the data leaves the target
     seed: int = 0
     device: str = "cpu"
     bf16: bool = True
@@ -116,26 +123,39 @@ def block_loss(
     gamma: float,
     distill: float,
     target_labels: bool = False,
+    consistent: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE (and optional KL to the target) of one sequence's blocks.
 
     With `target_labels` the CE label of each slot is the target's own argmax (within the
     draft vocabulary) instead of the data's token: on greedy regenerated data the two agree
     up to numerics; on text the target did not write, only the target's choice is right.
+    `consistent` (with `target_labels`) also drops every slot after the first where the
+    data's token differs from that choice (`blocks.consistent_slots`).
     """
+    if consistent and not target_labels:
+        raise ValueError("consistent labels need the target's labels (labels='target')")
     c = drafter.config
     device = head.weight.device
     blocks, hidden = draft_blocks(drafter, embed, example, anchors, gamma, device)
     labels = head.to_local(blocks.labels.clamp(min=0))
     keep = (blocks.weights > 0) & ((labels >= 0) | target_labels)
-    weights = blocks.weights[keep].to(device)
-    logits = hidden[keep.to(device)] @ head.weight.T
     teacher = None
     if distill > 0 or target_labels:
         # The target's distribution for the token at position p comes from position p - 1.
         positions = (blocks.position_ids[len(example.input_ids) :] - 1)[keep]
         teacher = head.target_logits(example.final_hidden[positions])
     targets = teacher.argmax(-1) if target_labels else labels[keep].to(device)
+    weights = blocks.weights[keep].to(device)
+    stats = {}
+    if consistent:
+        agree = torch.zeros_like(keep)
+        agree[keep] = labels[keep] == targets.cpu()
+        valid = consistent_slots(agree.view(-1, c.block_size)).flatten()[keep]
+        later = torch.arange(len(keep))[keep] % c.block_size >= 2
+        stats = {"later_kept": int((valid & later).sum()), "later_total": int(later.sum())}
+        weights = weights * valid.to(device)
+    logits = hidden[keep.to(device)] @ head.weight.T
     ce = F.cross_entropy(logits.float(), targets, reduction="none")
     loss = (ce * weights).sum() / (weights.sum() + 1e-6)
     if distill > 0:
@@ -148,7 +168,7 @@ def block_loss(
         loss = (1 - distill) * loss + distill * (kl * weights).sum() / (weights.sum() + 1e-6)
     slot1 = keep & (torch.arange(len(keep)) % c.block_size == 1)
     correct = (logits.argmax(-1) == targets)[slot1[keep].to(device)]
-    return loss, {"slot1_correct": int(correct.sum()), "slot1_total": int(correct.numel())}
+    return loss, {"slot1_correct": int(correct.sum()), "slot1_total": int(correct.numel()), **stats}
 
 
 def _save(path: Path, **state) -> None:
@@ -203,7 +223,7 @@ def train(
                 started = time.monotonic()
                 anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
                 opt.zero_grad(set_to_none=True)
-                total_loss, stats, tokens = 0.0, {"slot1_correct": 0, "slot1_total": 0}, 0
+                total_loss, stats, tokens = 0.0, {}, 0
                 batch = [examples[j] for j in indices]
                 for example in batch:
                     anchors = sample_anchors(example.loss_mask(), cfg.num_anchors, anchor_gen)
@@ -219,17 +239,18 @@ def train(
                             gamma,
                             cfg.distill,
                             target_labels=cfg.labels == "target",
+                            consistent=cfg.consistent,
                         )
                     (loss / len(batch)).backward()
                     total_loss += loss.item() / len(batch)
-                    stats = {k: stats[k] + s[k] for k in stats}
+                    stats = {k: stats.get(k, 0) + s[k] for k in s}
                     tokens += len(anchors) * drafter.config.block_size
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 opt.step()
                 sched.step()
                 step += 1
                 seconds = time.monotonic() - started
-                acc = stats["slot1_correct"] / max(1, stats["slot1_total"])
+                acc = stats.get("slot1_correct", 0) / max(1, stats.get("slot1_total", 0))
                 row = {
                     "step": step,
                     "epoch": step / steps_per_epoch,
@@ -238,6 +259,8 @@ def train(
                     "lr": sched.get_last_lr()[0],
                     "block_tokens_per_s": tokens / seconds,
                 }
+                if "later_total" in stats:  # share of slots ≥ 2 whose label stays on the path
+                    row["later_kept"] = stats["later_kept"] / max(1, stats["later_total"])
                 log_file.write(json.dumps(row) + "\n")
                 bar.update(1)
                 bar.set_postfix(
