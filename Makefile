@@ -40,8 +40,8 @@ test: setup system-deps
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check dflash_sglang server loadtest tests bench
-	$(BIN)/ruff format --check dflash_sglang server loadtest tests bench
+	$(BIN)/ruff check dflash_sglang kernels server loadtest tests bench
+	$(BIN)/ruff format --check dflash_sglang kernels server loadtest tests bench
 
 bench: setup
 	$(BIN)/python bench/bench_ar_vs_dflash.py $(ARGS)

@@ -1,14 +1,18 @@
 """One attention layer of the embedded SmolLM2 (bf16, 9 query / 3 KV heads of 64) over a
 paged pool with scattered slots: the torch path `dflash_cpu` took before (gather K/V into a
 padded copy, then `grouped_attention`) against the C++ kernel reading the pool in place.
-The gather is timed, as the server pays it every layer.
+The gather is timed, as the server pays it every layer. `--baseline-source` also times
+another revision of the kernel's source, built under another name (before / after a change):
 
     python bench/paged_attention_kernel.py [--threads 2] [--shapes 1x1x512,4x1x512,...]
+    git show HEAD~1:kernels/cpu/paged_attention.cpp > /tmp/old.cpp
+    python bench/paged_attention_kernel.py --baseline-source /tmp/old.cpp
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from packed_gemm import ms_per_call
@@ -33,8 +37,8 @@ def gather_then_grouped(q, k_pool, v_pool, slots, mask):
     return grouped_attention(query, gathered(k_pool), gathered(v_pool), mask, DIM**-0.5)
 
 
-def time_shape(bs: int, rows: int, keys: int, k_pool, v_pool) -> tuple[float, float]:
-    """ms per layer before (gather + grouped) and after (the kernel)."""
+def time_shape(bs: int, rows: int, keys: int, k_pool, v_pool, baseline=None) -> list[float]:
+    """ms per layer: gather + grouped, the kernel, and the baseline kernel if given."""
     slots = torch.randperm(POOL_SLOTS)[: bs * keys].view(bs, keys)
     kv_lens, q_lens = torch.full((bs,), keys), torch.full((bs,), rows)
     q = torch.randn(bs * rows, HEADS, DIM, dtype=torch.bfloat16)
@@ -42,12 +46,11 @@ def time_shape(bs: int, rows: int, keys: int, k_pool, v_pool) -> tuple[float, fl
     mask = None if bool(mask.all()) else mask
     before = ms_per_call(lambda: gather_then_grouped(q, k_pool, v_pool, slots, mask))
     starts = torch.arange(bs) * rows
-    after = ms_per_call(
-        lambda: cpu_attention.paged_attention(
-            q, k_pool, v_pool, slots, kv_lens, q_lens, starts, causal=True, scale=DIM**-0.5
-        )
-    )
-    return before, after
+    args = (q, k_pool, v_pool, slots, kv_lens, q_lens, starts, True, DIM**-0.5)
+    times = [before, ms_per_call(lambda: cpu_attention.paged_attention(*args))]
+    if baseline is not None:
+        times.append(ms_per_call(lambda: baseline.paged_attention(*args)))
+    return times
 
 
 def main() -> None:
@@ -56,19 +59,31 @@ def main() -> None:
     ap.add_argument(
         "--shapes", default=SHAPES, help="requests x query rows x keys, comma-separated"
     )
+    ap.add_argument("--baseline-source", type=Path, help="another revision of paged_attention.cpp")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.available():
         raise SystemExit("the kernel is not built here (see the log)")
+    if args.baseline_source is not None and not args.baseline_source.is_file():
+        raise SystemExit(f"--baseline-source {args.baseline_source}: no such file")
+    baseline = args.baseline_source and cpu_attention.build(
+        args.baseline_source, "dflash_cpu_paged_attention_baseline"
+    )
     k_pool = torch.randn(POOL_SLOTS, KV_HEADS, DIM, dtype=torch.bfloat16)
     v_pool = torch.randn(POOL_SLOTS, KV_HEADS, DIM, dtype=torch.bfloat16)
-    print("| requests × query rows × keys | gather + grouped matmuls (ms) | kernel (ms) | × |")
-    print("|---|---|---|---|")
+    extra = " | baseline kernel (ms) | baseline / kernel" if baseline else ""
+    print(
+        f"| requests × query rows × keys | gather + grouped matmuls (ms) | kernel (ms) | ×{extra} |"
+    )
+    print("|---|---|---|---|" + ("---|---|" if baseline else ""))
     with torch.inference_mode():
         for shape in args.shapes.split(","):
             bs, rows, keys = map(int, shape.split("x"))
-            before, after = time_shape(bs, rows, keys, k_pool, v_pool)
-            print(f"| {bs} × {rows} × {keys} | {before:.3f} | {after:.3f} | {before / after:.1f} |")
+            before, after, *base = time_shape(bs, rows, keys, k_pool, v_pool, baseline)
+            row = f"| {bs} × {rows} × {keys} | {before:.3f} | {after:.3f} | {before / after:.1f}"
+            if base:
+                row += f" | {base[0]:.3f} | {base[0] / after:.2f}"
+            print(row + " |")
 
 
 if __name__ == "__main__":

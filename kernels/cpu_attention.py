@@ -25,19 +25,22 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled module, or None (logged) when it cannot be built here."""
-    from torch.utils import cpp_extension
-
     logger.info("Loading the CPU paged attention kernel (the first build takes ~30 s)")
     try:
-        return cpp_extension.load(
-            name="dflash_cpu_paged_attention",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
+        return build(SOURCE, "dflash_cpu_paged_attention")
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, headers or ninja
         logger.warning("CPU paged attention not built (%s); using the torch path", e)
         return None
+
+
+def build(source: Path, name: str) -> ModuleType:
+    """Compile (or load the cached build of) one revision of the kernel source; a bench
+    builds an older revision under another name to time both in one process."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"]
+    )
 
 
 def available() -> bool:

@@ -278,6 +278,19 @@ def test_paged_kernel_serves_few_row_batches(
     assert_matches(out, reference(case, causal=not encoder_only), dtype)
 
 
+def test_kernel_served_forward_builds_no_masks() -> None:
+    """Masks and packed rows are built on first use: a batch every layer serves through the
+    kernel never pays for them; the torch path builds them when it first needs them."""
+    if not cpu_attention.available():
+        pytest.skip("the C++ kernel is not built here (tests/test_cpu_paged_attention.py)")
+    case = make_case(*SCENARIOS["verify"], layer=make_layer(**KERNEL_LAYER))
+    run(case)
+    metadata = case.backend.forward_metadata
+    assert metadata.paged
+    assert not {"causal_mask", "full_mask", "token_rows"} & set(vars(metadata))
+    assert metadata.causal_mask is not None and "causal_mask" in vars(metadata)
+
+
 def test_grouped_setting_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dflash-cpu-attention grouped`: the gathered-KV matmuls, equal to the kernel."""
     layer = make_layer(**KERNEL_LAYER)

@@ -71,6 +71,8 @@ BATCHES = {
     "verify": ([4, 4, 4], [9, 40, 20]),
     "ragged": ([1, 8, 3, 2], [1, 33, 17, 250]),
     "one-key-per-row": ([5], [5]),
+    # Whole 16-key blocks with no tail, and a tail of one (the scores go 16 keys at a time).
+    "key-blocks": ([8, 2, 1], [16, 32, 17]),
 }
 
 

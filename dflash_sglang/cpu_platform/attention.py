@@ -13,6 +13,7 @@ DFlash draft (non-causal verify block, `AttentionType.ENCODER_ONLY`).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,23 +40,21 @@ class PaddedBatch:
     """A batch's padded geometry, built once per forward and shared by every layer.
 
     Keys live in a `[bs, kv_max]` grid, queries in a `[bs, q_rows]` grid. Masks are None
-    when they would mask nothing, so SDPA can take its unmasked path.
+    when they would mask nothing, so SDPA can take its unmasked path. Masks and packed
+    rows are built on first use: a forward whose every layer takes the C++ kernel (which
+    reads only slots and lengths) never builds them.
     """
 
     batch_size: int
     q_rows: int
+    q_max: int
     kv_max: int
+    num_tokens: int
     # [bs, kv_max] pool slot of every key; padding points at the request's first key.
     kv_slots: torch.Tensor
-    # Packed token -> row of the flattened query grid; None when that is the identity.
-    token_rows: torch.Tensor | None
     # Query row r of every request sits at key position r (`q_rows == kv_max`), so SDPA's
     # own `is_causal` is exact and its kernel skips the masked half of the scores.
     position_aligned: bool
-    # [bs, 1, q_rows, kv_max] for causal layers; None when position-aligned.
-    causal_mask: torch.Tensor | None
-    # [bs, 1, 1, kv_max]: every query sees all of its request's keys (ENCODER_ONLY).
-    full_mask: torch.Tensor | None
     # Few query rows per request in a batch (decode, narrow verify): `grouped_attention`.
     grouped: bool
     # Few query rows per request, the C++ kernel built: `cpu_attention.paged_attention`,
@@ -64,6 +63,29 @@ class PaddedBatch:
     kv_lens: torch.Tensor
     q_lens: torch.Tensor
     q_starts: torch.Tensor
+    # [bs] grid row of each request's first query.
+    first_rows: torch.Tensor
+
+    @functools.cached_property
+    def token_rows(self) -> torch.Tensor | None:
+        """Packed token -> row of the flattened query grid; None when that is the identity."""
+        if self.num_tokens == self.batch_size * self.q_rows:
+            return None
+        return packed_token_rows(self.q_lens, self.first_rows, self.q_rows, self.num_tokens)
+
+    @functools.cached_property
+    def causal_mask(self) -> torch.Tensor | None:
+        """[bs, 1, q_rows, kv_max] for causal layers; None when position-aligned."""
+        if self.position_aligned:
+            return None
+        mask = attention_mask(self.q_lens, self.kv_lens, self.q_max, self.kv_max, causal=True)
+        return None if bool(mask.all()) else mask
+
+    @functools.cached_property
+    def full_mask(self) -> torch.Tensor | None:
+        """[bs, 1, 1, kv_max]: every query sees all of its request's keys (ENCODER_ONLY)."""
+        mask = attention_mask(self.q_lens, self.kv_lens, self.q_max, self.kv_max, causal=False)
+        return None if bool(mask.all()) else mask
 
 
 def kv_slot_table(
@@ -151,33 +173,25 @@ def build_padded_batch(
     q_lens, kv_lens = q_lens.long(), kv_lens.long()
     batch_size = q_lens.shape[0]
     q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
-    num_tokens = int(q_lens.sum())
     position_aligned = 2 * q_max > kv_max
-    if position_aligned:
-        q_rows, first_rows, causal_mask = kv_max, kv_lens - q_lens, None
-    else:
-        q_rows, first_rows = q_max, torch.zeros_like(q_lens)
-        causal_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=True)
-        causal_mask = None if bool(causal_mask.all()) else causal_mask
-    full_mask = attention_mask(q_lens, kv_lens, q_max, kv_max, causal=False)
-    identity_rows = num_tokens == batch_size * q_rows
+    q_rows, first_rows = (
+        (kv_max, kv_lens - q_lens) if position_aligned else (q_max, torch.zeros_like(q_lens))
+    )
     few_rows = not position_aligned and q_rows <= grouped_max_rows
     return PaddedBatch(
         batch_size=batch_size,
         q_rows=q_rows,
+        q_max=q_max,
         kv_max=kv_max,
+        num_tokens=int(q_lens.sum()),
         kv_slots=kv_slot_table(req_to_token, req_pool_indices, kv_lens, kv_max),
-        token_rows=(
-            None if identity_rows else packed_token_rows(q_lens, first_rows, q_rows, num_tokens)
-        ),
         position_aligned=position_aligned,
-        causal_mask=causal_mask,
-        full_mask=None if bool(full_mask.all()) else full_mask,
         grouped=few_rows and batch_size > 1,
         paged=paged and few_rows,
         kv_lens=kv_lens,
         q_lens=q_lens,
         q_starts=torch.cumsum(q_lens, 0) - q_lens,
+        first_rows=first_rows,
     )
 
 

@@ -87,12 +87,57 @@ struct KvRows {
   }
 };
 
-// scores[m, j] = q_m . k_j (q already scaled): each key row loaded once, used by all m.
+// The 16 horizontal sums of s[0..15] as one vector (lane i = sum of s[i]'s lanes): a
+// transpose-and-add tree of 45 shuffles and adds instead of 16 reductions of ~8 each, and
+// one vector store instead of 16 scalar ones.
+inline __m512 sum16(const __m512* s) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]),
+                         _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of s[4i .. 4i+3]
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Add 128-bit lanes pairwise (0x88 takes lanes 0, 2 of each input, 0xDD lanes 1, 3).
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                  _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                  _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// scores[m, j] = q_m . k_j (q already scaled). Keys go 16 at a time: converted to fp32 once
+// into a small block, then each row m makes 16 partial vectors and one `sum16`; the last
+// kv_len % 16 keys one at a time, each key row loaded once for all m.
 template <typename T, int NV>
 void score_keys(const KvRows<T>& kv, int64_t kv_len, const __m512* qv, int64_t m_count,
                 float* scores) {
-  for (int64_t j = 0; j < kv_len; ++j) {
-    if (j + 4 < kv_len) _mm_prefetch(reinterpret_cast<const char*>(kv.key(j + 4)), _MM_HINT_T0);
+  constexpr int64_t dim = NV * 16;
+  alignas(64) float block[16 * dim];
+  int64_t j = 0;
+  for (; j + 16 <= kv_len; j += 16) {
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      if (j + 16 + jj < kv_len) {
+        _mm_prefetch(reinterpret_cast<const char*>(kv.key(j + 16 + jj)), _MM_HINT_T0);
+      }
+      const T* key = kv.key(j + jj);
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(block + jj * dim + 16 * v, load16(key + 16 * v));
+    }
+    for (int64_t m = 0; m < m_count; ++m) {
+      const __m512* q = qv + m * NV;
+      __m512 s[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        const float* key = block + jj * dim;
+        s[jj] = _mm512_mul_ps(q[0], _mm512_load_ps(key));
+        for (int v = 1; v < NV; ++v) s[jj] = _mm512_fmadd_ps(q[v], _mm512_load_ps(key + 16 * v), s[jj]);
+      }
+      _mm512_storeu_ps(scores + m * kv_len + j, sum16(s));
+    }
+  }
+  for (; j < kv_len; ++j) {
     __m512 key[NV];
     for (int v = 0; v < NV; ++v) key[v] = load16(kv.key(j) + 16 * v);
     for (int64_t m = 0; m < m_count; ++m) {
