@@ -7,6 +7,9 @@ another revision of the kernel's source, built under another name (before / afte
     python bench/paged_attention_kernel.py [--threads 2] [--shapes 1x1x512,4x1x512,...]
     git show HEAD~1:kernels/cpu/paged_attention.cpp > /tmp/old.cpp
     python bench/paged_attention_kernel.py --baseline-source /tmp/old.cpp
+
+`--writes 1,4,16` instead times one layer's KV write of that many tokens: SGLang's
+`MHATokenToKVPool.set_kv_buffer` (what the backend called before) against `store_kv`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,35 @@ def time_shape(bs: int, rows: int, keys: int, k_pool, v_pool, baseline=None) -> 
     return times
 
 
+def time_write(tokens: int) -> tuple[float, float]:
+    """µs per layer: SGLang's pool write door vs the kernel's `store_kv`, same rows."""
+    import os
+    from types import SimpleNamespace
+
+    from dflash_sglang.cpu_platform import install_sgl_kernel_shim
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    install_sgl_kernel_shim()
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+
+    pool = MHATokenToKVPool(
+        size=POOL_SLOTS, page_size=1, dtype=torch.bfloat16, head_num=KV_HEADS, head_dim=DIM,
+        layer_num=1, device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, dtype=torch.bfloat16)
+    k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(tokens, KV_HEADS, DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
+    loc = torch.randperm(POOL_SLOTS)[:tokens]
+    batch = SimpleNamespace(out_cache_loc=loc, out_cache_loc_is_physical=False)
+    layer = SimpleNamespace(layer_id=0)
+    sglang = ms_per_call(
+        lambda: pool.set_kv_buffer(layer, KVWriteLoc.for_batch(batch), k, v), reps=2000
+    )
+    buffers = pool.get_key_buffer(0), pool.get_value_buffer(0)
+    ours = ms_per_call(lambda: cpu_attention.store_kv(k, v, *buffers, loc), reps=2000)
+    return 1000 * sglang, 1000 * ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -60,10 +92,17 @@ def main() -> None:
         "--shapes", default=SHAPES, help="requests x query rows x keys, comma-separated"
     )
     ap.add_argument("--baseline-source", type=Path, help="another revision of paged_attention.cpp")
+    ap.add_argument("--writes", help="token counts: time the KV write instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.available():
         raise SystemExit("the kernel is not built here (see the log)")
+    if args.writes:
+        print("| tokens | SGLang set_kv_buffer (µs) | store_kv (µs) | × |\n|---|---|---|---|")
+        for tokens in map(int, args.writes.split(",")):
+            sglang, ours = time_write(tokens)
+            print(f"| {tokens} | {sglang:.1f} | {ours:.1f} | {sglang / ours:.1f} |")
+        return
     if args.baseline_source is not None and not args.baseline_source.is_file():
         raise SystemExit(f"--baseline-source {args.baseline_source}: no such file")
     baseline = args.baseline_source and cpu_attention.build(

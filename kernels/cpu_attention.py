@@ -75,6 +75,22 @@ def paged_attention(
     )
 
 
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """`k_buffer[loc] = k; v_buffer[loc] = v` in one call: rows `[tokens, kv_heads, dim]`
+    (any token stride, e.g. views into a fused QKV output) into `[slots, kv_heads, dim]`
+    buffers of the same dtype; a slot outside the pool is refused."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("CPU paged attention is not built here (see the log)")
+    ext.store_kv(k, v, k_buffer, v_buffer, loc.long())
+
+
 def torch_paged_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,

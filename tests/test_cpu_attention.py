@@ -323,8 +323,15 @@ def test_encoder_only_verify_differs_from_causal() -> None:
     assert not torch.allclose(rows_per_request[:, :-1], causal.view(3, 4, -1)[:, :-1])
 
 
-def test_verify_writes_block_kv_to_pool() -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["store_kv", "set_kv_buffer"])
+def test_verify_writes_block_kv_to_pool(direct: bool) -> None:
+    """The C++ `store_kv` (SGLang's plain MHA pool, the kernel built) and SGLang's own
+    `set_kv_buffer` leave the same pool."""
     case = make_case(*SCENARIOS["verify"])
+    assert case.backend.direct_kv_write is cpu_attention.available()
+    if direct and not cpu_attention.available():
+        pytest.skip("the C++ kernel is not built here (tests/test_cpu_paged_attention.py)")
+    case.backend.direct_kv_write = direct
     run(case)
     pool = case.backend.token_to_kv_pool
     torch.testing.assert_close(pool.get_key_buffer(0)[case.batch.out_cache_loc], case.k)

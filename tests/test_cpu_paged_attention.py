@@ -139,3 +139,46 @@ def test_bad_inputs_are_refused_with_a_reason(change, message: str) -> None:
     inputs = change(make_inputs([1, 1], [10, 20]))
     with pytest.raises(RuntimeError, match=message):
         cpu_attention.paged_attention(**inputs, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_store_kv_equals_index_put(dtype: torch.dtype) -> None:
+    """Rows from a fused QKV output (token stride wider than a row) land where `[loc] =`
+    puts them, and nowhere else."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, dim = 5, 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    loc = torch.tensor([7, 0, 31, 12, 8])
+    buffers = [torch.randn(32, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    expected = [b.clone() for b in buffers]
+    expected[0][loc], expected[1][loc] = k, v
+    cpu_attention.store_kv(k, v, *buffers, loc.int())
+    assert torch.equal(buffers[0], expected[0]) and torch.equal(buffers[1], expected[1])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: dict(a, loc=torch.tensor([0, 40])), "outside the pool"),
+        (lambda a: dict(a, loc=torch.tensor([-1, 0])), "outside the pool"),
+        (lambda a: dict(a, k=a["k"].float()), "dtype"),
+        (lambda a: dict(a, loc=torch.tensor([0])), "one row per token"),
+        (lambda a: dict(a, k=a["k"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    ],
+    ids=["past-the-pool", "negative", "dtype-mismatch", "short-loc", "strided-rows"],
+)
+def test_store_kv_refuses_bad_inputs(change, message: str) -> None:
+    args = dict(
+        k=torch.randn(2, 3, 64).bfloat16(),
+        v=torch.randn(2, 3, 64).bfloat16(),
+        k_buffer=torch.zeros(40, 3, 64).bfloat16(),
+        v_buffer=torch.zeros(40, 3, 64).bfloat16(),
+        loc=torch.tensor([1, 2]),
+    )
+    untouched = args["k_buffer"].clone()
+    args = change(args)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.store_kv(**args)
+    assert torch.equal(args["k_buffer"], untouched)

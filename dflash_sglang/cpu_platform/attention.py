@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from dflash_sglang.cpu_platform import ATTENTION_ENV
@@ -298,6 +298,19 @@ def kernel_fits(layer: RadixAttention, dtype: torch.dtype, pool_dtype: torch.dty
     )
 
 
+def plain_pool(pool) -> bool:
+    """A pool whose `set_kv_buffer` is exactly `k_buffer[loc] = k` (SGLang's own MHA pool,
+    unquantized, row layout, locs physical by allocation), so `store_kv` may write it."""
+    return (
+        type(pool) is MHATokenToKVPool
+        and not pool.is_quantized_kv_cache
+        and pool.store_dtype == pool.dtype
+        and not getattr(pool, "use_hnd", False)
+        and getattr(pool, "kv_cache_layout", None) != "vectorized_5d"
+        and not pool.requires_physical_write_loc
+    )
+
+
 class DFlashCPUAttnBackend(AttentionBackend):
     """Batched attention over SGLang's paged KV pool, for CPU serving."""
 
@@ -312,6 +325,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
         self.grouped_max_rows = 0 if mode == "sdpa" else GROUPED_MAX_ROWS
         self.paged = mode == "paged" and cpu_attention.available()
         self._check_pool_supported()
+        self.direct_kv_write = self.paged and plain_pool(self.token_to_kv_pool)
 
     def _check_pool_supported(self) -> None:
         pool = self.token_to_kv_pool
@@ -385,7 +399,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
             return q.new_empty((0, heads * v_head_dim))
         # As in SGLang's backends: k is None when another layer already wrote this KV.
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+            self._write_kv(layer, forward_batch, k, v)
         batch = self.forward_metadata
         if batch is None:
             raise RuntimeError(f"{CPU_ATTENTION_BACKEND}: init_forward_metadata was not called")
@@ -411,6 +425,23 @@ class DFlashCPUAttnBackend(AttentionBackend):
         out = self._attend(query, key, value, layer, batch)
         out = out.transpose(1, 2).reshape(batch.batch_size * batch.q_rows, heads * v_head_dim)
         return out if batch.token_rows is None else out.index_select(0, batch.token_rows)
+
+    def _write_kv(
+        self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """The new tokens' K/V into the pool: one C++ call on a plain pool, else SGLang's
+        `set_kv_buffer` (casts, quantized and unified pools, its checks)."""
+        pool = self.token_to_kv_pool
+        if self.direct_kv_write and k.dtype == pool.dtype and v.dtype == pool.dtype:
+            cpu_attention.store_kv(
+                k.view(k.shape[0], layer.tp_k_head_num, layer.qk_head_dim),
+                v.view(v.shape[0], layer.tp_v_head_num, layer.v_head_dim),
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                forward_batch.out_cache_loc,
+            )
+            return
+        pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
 
     @staticmethod
     def _attend(

@@ -11,6 +11,10 @@
 // contiguous); slot_table [bs, >= max kv_len] int64; kv_lens / q_lens / q_starts [bs] int64.
 // Query row r of request b sits at key position kv_lens[b] - q_lens[b] + r; a causal row
 // sees keys up to its own position, a non-causal one (the draft block) every key.
+//
+// `store_kv` is the write before it: a forward's new K and V rows into the pool at their
+// slots, both buffers in one call (SGLang's CPU fallback is two index_put calls behind a
+// dozen Python checks per layer).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
@@ -300,7 +305,45 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_buf
   return out;
 }
 
+void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_buffer,
+              torch::Tensor& v_buffer, const torch::Tensor& loc) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
+              "k, v and their buffers must be [tokens | slots, kv_heads, dim]");
+  TORCH_CHECK(k.size(0) == v.size(0) && loc.dim() == 1 && loc.size(0) == k.size(0),
+              "k, v and loc must have one row per token");
+  TORCH_CHECK(k.size(1) == k_buffer.size(1) && k.size(2) == k_buffer.size(2) &&
+                  v.size(1) == v_buffer.size(1) && v.size(2) == v_buffer.size(2),
+              "k and v rows must match their buffers' rows");
+  TORCH_CHECK(k.scalar_type() == k_buffer.scalar_type() &&
+                  v.scalar_type() == v_buffer.scalar_type(),
+              "k and v must have their buffers' dtype");
+  const torch::Tensor* all[] = {&k, &v, &k_buffer, &v_buffer};
+  for (const torch::Tensor* t : all) {
+    TORCH_CHECK(t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2)),
+                "each token's rows must be contiguous (any token stride)");
+  }
+  TORCH_CHECK(k_buffer.size(0) == v_buffer.size(0), "k and v buffers must have equal slots");
+  TORCH_CHECK(loc.scalar_type() == torch::kInt64 && loc.is_contiguous(), "loc must be int64");
+  const int64_t tokens = k.size(0), slots = k_buffer.size(0);
+  const int64_t* where = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i) {
+    TORCH_CHECK(where[i] >= 0 && where[i] < slots, "loc ", where[i], " outside the pool's ",
+                slots, " slots");
+  }
+  const int64_t item = k.element_size();
+  const int64_t k_bytes = k.size(1) * k.size(2) * item, v_bytes = v.size(1) * v.size(2) * item;
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kb = static_cast<char*>(k_buffer.data_ptr());
+  auto* vb = static_cast<char*>(v_buffer.data_ptr());
+  for (int64_t i = 0; i < tokens; ++i) {
+    std::memcpy(kb + where[i] * k_buffer.stride(0) * item, kp + i * k.stride(0) * item, k_bytes);
+    std::memcpy(vb + where[i] * v_buffer.stride(0) * item, vp + i * v.stride(0) * item, v_bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Attention for few query rows per request over a paged KV pool (CPU, AVX-512)");
+  m.def("store_kv", &store_kv, "New K/V rows into the paged pool at their slots (CPU)");
 }
