@@ -161,6 +161,15 @@ def test_target_labels_train_from_the_cli(run, tmp_path):
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and all(r["loss"] > 0 for r in log)
     assert (tmp_path / "drafter" / "model.safetensors").exists()
+    assert "later_kept" not in log[0]
+
+
+def test_consistent_labels_train_from_the_cli(run, tmp_path):
+    """--consistent-labels logs the share of later-slot labels kept on the target's path."""
+    args = ["--labels", "target", "--consistent-labels", "--max-steps", "2"]
+    assert _train(run, tmp_path, *args) == 0
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(0 <= r["later_kept"] <= 1 for r in log)
 
 
 def test_yardstick_from_the_cli(run, tmp_path):
@@ -209,6 +218,10 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--out", "x", "--num-prompts", "0"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data", "x", "--out", "y", "--consistent-labels"])
+    assert exc.value.code == 2
+    assert "--consistent-labels needs --labels target" in capsys.readouterr().err
 
 
 def test_restricted_vocabulary_drafter_serves_in_dflash_x(run, tmp_path):

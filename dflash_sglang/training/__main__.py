@@ -192,8 +192,6 @@ def cmd_train(a: argparse.Namespace) -> None:
     from dflash_sglang.training import data, features, train
 
     torch.set_num_threads(a.threads)
-    if a.consistent_labels and a.labels != "target":
-        raise CliError("--consistent-labels needs --labels target")
     if bool(a.features_dir) == bool(a.data):
         raise CliError("give exactly one of --features-dir (cached) or --data (online features)")
     source = _existing_dir("--features-dir", a.features_dir) if a.features_dir else None
@@ -539,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--epochs must be > 0, got {args.epochs}")
     if getattr(args, "gamma", None) is not None and args.gamma <= 0:
         p.error(f"--gamma must be > 0, got {args.gamma}")
+    if getattr(args, "consistent_labels", False) and args.labels != "target":
+        p.error("--consistent-labels needs --labels target (it masks the target's labels)")
     if getattr(args, "distill", 0.0) and not 0.0 <= args.distill <= 1.0:
         p.error(f"--distill must be in [0, 1], got {args.distill}")
     try:
