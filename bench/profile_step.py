@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--arms", help="comma list of plain,dflash_x,dflash_x_fixed,dflash_x_width1")
     args = ap.parse_args()
 
     from dflash_sglang.default_model import ensure_default_target
@@ -160,8 +161,14 @@ def main() -> None:
         "dflash_x_fixed": [*dflash_x, "--dflash-adaptive", "off", "--dflash-suffix", "off"],
         "dflash_x_width1": [*dflash_x, "--dflash-widths", "1"],
     }
+    chosen = args.arms.split(",") if args.arms else list(arms)
+    unknown = sorted(set(chosen) - set(arms))
+    if unknown:
+        ap.error(f"--arms: unknown {', '.join(unknown)} (choose from {', '.join(arms)})")
+    print(f"raw py-spy stacks in {work}", file=sys.stderr)
     report = {}
-    for name, arm_args in arms.items():  # one server at a time: nothing else on the cores
+    for name in chosen:  # one server at a time: nothing else on the cores
+        arm_args = arms[name]
         server = Server(arm_args, work / f"{name}.log", threads=args.threads)
         try:
             server.generate(PROMPT, max_new_tokens=16)
