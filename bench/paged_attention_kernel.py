@@ -5,8 +5,8 @@ The gather is timed, as the server pays it every layer. `--baseline-source` also
 another revision of the kernel's source, built under another name (before / after a change):
 
     python bench/paged_attention_kernel.py [--threads 2] [--shapes 1x1x512,4x1x512,...]
-    git show HEAD~1:kernels/cpu/paged_attention.cpp > /tmp/old.cpp
-    python bench/paged_attention_kernel.py --baseline-source /tmp/old.cpp
+    mkdir -p build && git show HEAD~1:kernels/cpu/paged_attention.cpp > build/old_kernel.cpp
+    python bench/paged_attention_kernel.py --baseline-source build/old_kernel.cpp
 
 `--writes 1,4,16` instead times one layer's KV write of that many tokens: SGLang's
 `MHATokenToKVPool.set_kv_buffer` (what the backend called before) against `store_kv`.
