@@ -172,6 +172,18 @@ def test_consistent_labels_train_from_the_cli(run, tmp_path):
     assert [r["step"] for r in log] == [1, 2] and all(0 <= r["later_kept"] <= 1 for r in log)
 
 
+def test_rollout_labels_train_from_the_cli(run, tmp_path):
+    """--labels rollout rolls the target out from every anchor (online features only): every
+    later slot in the draft vocabulary keeps its loss, unlike --consistent-labels."""
+    args = ["train", "--target", run["target"], "--data", str(run["data"]), "--out", str(tmp_path)]
+    args += [*SHAPE, *TRAIN, "--labels", "rollout", "--distill", "0.5", "--max-steps", "2"]
+    assert main(args) == 0
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(r["later_kept"] > 0.5 for r in log)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["config"]["labels"] == "rollout" and state["config"]["rollout_depth"] == 3
+
+
 def test_yardstick_from_the_cli(run, tmp_path):
     """The slot-1 yardstick and the drafter's slot 1, scored on the same held-out positions."""
     out = tmp_path / "yardstick.json"
@@ -222,6 +234,18 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
         main(["train", "--data", "x", "--out", "y", "--consistent-labels"])
     assert exc.value.code == 2
     assert "--consistent-labels needs --labels target" in capsys.readouterr().err
+    assert _train(run, tmp_path, "--labels", "rollout") == 2
+    assert "from each anchor: give --data" in capsys.readouterr().err
+    online = ["train", "--target", run["target"], "--data", str(run["data"]), "--out", "y"]
+    assert main([*online, *SHAPE, "--labels", "rollout", "--rollout-depth", "4"]) == 2
+    assert "--rollout-depth must be < the block size 4" in capsys.readouterr().err
+    for bad, message in (
+        (["--rollout-depth", "2"], "--rollout-depth needs --labels rollout"),
+        (["--labels", "rollout", "--rollout-depth", "0"], "--rollout-depth must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["train", "--data", "x", "--out", "y", *bad])
+        assert message in capsys.readouterr().err
 
 
 def test_restricted_vocabulary_drafter_serves_in_dflash_x(run, tmp_path):

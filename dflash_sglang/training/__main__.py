@@ -189,11 +189,13 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     from dflash_sglang import draft_vocab
     from dflash_sglang.drafter import DFlashDrafter
-    from dflash_sglang.training import data, features, train
+    from dflash_sglang.training import data, features, rollout, train
 
     torch.set_num_threads(a.threads)
     if bool(a.features_dir) == bool(a.data):
         raise CliError("give exactly one of --features-dir (cached) or --data (online features)")
+    if a.labels == "rollout" and not a.data:
+        raise CliError("--labels rollout runs the target from each anchor: give --data")
     source = _existing_dir("--features-dir", a.features_dir) if a.features_dir else None
     samples = data.read_samples(_existing_file("--data", a.data)) if a.data else None
     target_dir = _target_path(a.target)
@@ -220,7 +222,9 @@ def cmd_train(a: argparse.Namespace) -> None:
         examples = features.load(source)
         responses = [e.input_ids[e.prompt_len :].tolist() for e in examples]
     else:
-        examples = features.OnlineExamples(target, samples, layer_ids, a.max_len)
+        examples = features.OnlineExamples(
+            target, samples, layer_ids, a.max_len, keep_cache=a.labels == "rollout"
+        )
         responses = [s["response_ids"] for s in samples]
     if drafter.config.draft_vocab_size and not a.init_drafter:
         ids = draft_vocab.most_frequent(responses, drafter.config.draft_vocab_size)
@@ -240,13 +244,19 @@ def cmd_train(a: argparse.Namespace) -> None:
         gamma=a.gamma,
         labels=a.labels,
         consistent=a.consistent_labels,
+        rollout_depth=a.rollout_depth or drafter.config.block_size - 1,
         seed=a.seed,
         device=a.device,
         bf16=a.bf16,
         save_every=a.save_every,
         max_steps=a.max_steps,
     )
-    out = train.train(cfg, drafter.to(a.device), embed, head, examples)
+    roller = None
+    if a.labels == "rollout":
+        if cfg.rollout_depth >= drafter.config.block_size:
+            raise CliError(f"--rollout-depth must be < the block size {drafter.config.block_size}")
+        roller = rollout.Roller(target, cfg.rollout_depth, {tokenizer.eos_token_id} - {None})
+    out = train.train(cfg, drafter.to(a.device), embed, head, examples, roller=roller)
     print(f"drafter written to {out}")
 
 
@@ -451,10 +461,17 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--labels",
-        choices=["text", "target"],
+        choices=["text", "target", "rollout"],
         default="text",
         help="text: the data's tokens; target: the target's own argmax at each position "
-        "(for generate --responses dataset)",
+        "(for generate --responses dataset); rollout: the target's own greedy path from "
+        "each anchor, every slot on it (with --data; costs --rollout-depth - 1 target steps)",
+    )
+    t.add_argument(
+        "--rollout-depth",
+        type=int,
+        help="with --labels rollout: path tokens per anchor, < block size (default: block - 1; "
+        "later slots get no loss)",
     )
     t.add_argument(
         "--consistent-labels",
@@ -537,6 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--epochs must be > 0, got {args.epochs}")
     if getattr(args, "gamma", None) is not None and args.gamma <= 0:
         p.error(f"--gamma must be > 0, got {args.gamma}")
+    if getattr(args, "rollout_depth", None) is not None:
+        if args.labels != "rollout":
+            p.error("--rollout-depth needs --labels rollout")
+        if args.rollout_depth < 1:
+            p.error(f"--rollout-depth must be >= 1, got {args.rollout_depth}")
     if getattr(args, "consistent_labels", False) and args.labels != "target":
         p.error("--consistent-labels needs --labels target (it masks the target's labels)")
     if getattr(args, "distill", 0.0) and not 0.0 <= args.distill <= 1.0:

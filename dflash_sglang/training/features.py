@@ -28,6 +28,7 @@ class Example:
     prompt_len: int
     features: torch.Tensor  # [S, K*H] target layer outputs
     final_hidden: torch.Tensor  # [S, H] target's last normed hidden state
+    target_cache: object | None = None  # the target's K/V over input_ids (for rollouts)
 
     def loss_mask(self) -> torch.Tensor:
         """1 on response tokens: the only positions that anchor blocks or carry loss."""
@@ -41,18 +42,24 @@ def _shard_path(root: Path, index: int) -> Path:
 
 
 @torch.no_grad()
-def extract(target, sample: dict, layer_ids: list[int], max_len: int) -> Example:
-    """One target pass over prompt + response (at most `max_len` tokens)."""
+def extract(
+    target, sample: dict, layer_ids: list[int], max_len: int, keep_cache: bool = False
+) -> Example:
+    """One target pass over prompt + response (at most `max_len` tokens); `keep_cache`
+    keeps its K/V so the target can be rolled out from anchors (`rollout.Roller`)."""
     device = target.device
     ids = torch.tensor((sample["prompt_ids"] + sample["response_ids"])[:max_len])
     # The base model: no logits over the vocabulary for every position (a fifth of
     # SmolLM2's compute); they are one matmul away from `final_hidden` when needed.
-    out = target.model(input_ids=ids[None].to(device), output_hidden_states=True)
+    out = target.model(
+        input_ids=ids[None].to(device), output_hidden_states=True, use_cache=keep_cache
+    )
     return Example(
         input_ids=ids,
         prompt_len=len(sample["prompt_ids"]),
         features=target_features(out.hidden_states, layer_ids)[0],
         final_hidden=out.last_hidden_state[0],
+        target_cache=out.past_key_values if keep_cache else None,
     )
 
 
@@ -60,19 +67,22 @@ class OnlineExamples(Sequence):
     """Features computed when a batch needs them: the recipe for large targets on GPUs,
     whose cached features would not fit on disk (Qwen3-8B: 40 KB per token)."""
 
-    def __init__(self, target, samples: list[dict], layer_ids: list[int], max_len: int) -> None:
-        self.target, self.samples, self.layer_ids, self.max_len = (
-            target,
-            samples,
-            layer_ids,
-            max_len,
-        )
+    def __init__(
+        self,
+        target,
+        samples: list[dict],
+        layer_ids: list[int],
+        max_len: int,
+        keep_cache: bool = False,
+    ) -> None:
+        self.target, self.samples, self.layer_ids = target, samples, layer_ids
+        self.max_len, self.keep_cache = max_len, keep_cache
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> Example:
-        return extract(self.target, self.samples[i], self.layer_ids, self.max_len)
+        return extract(self.target, self.samples[i], self.layer_ids, self.max_len, self.keep_cache)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from dflash_sglang.training.blocks import (
     default_gamma,
     sample_anchors,
 )
+from dflash_sglang.training.rollout import Rollout
 
 
 @dataclass
@@ -41,7 +42,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; None = the paper's value for the block size
     distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
-    labels: str = "text"  # "text": the data's tokens; "target": the target's own argmax
+    labels: str = "text"  # "text": the data's tokens; "target": the target's own argmax;
+    # "rollout": the target's own greedy path from each anchor (needs a `roller`)
+    rollout_depth: int = 15  # with labels="rollout": path tokens per anchor (< block size)
     consistent: bool = False  # with labels="target": drop slots after the data leaves the target
     seed: int = 0
     device: str = "cpu"
@@ -124,6 +127,7 @@ def block_loss(
     distill: float,
     target_labels: bool = False,
     consistent: bool = False,
+    rollout: Rollout | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE (and optional KL to the target) of one sequence's blocks.
 
@@ -131,30 +135,37 @@ def block_loss(
     draft vocabulary) instead of the data's token: on greedy regenerated data the two agree
     up to numerics; on text the target did not write, only the target's choice is right.
     `consistent` (with `target_labels`) also drops every slot after the first where the
-    data's token differs from that choice (`blocks.consistent_slots`).
+    data's token differs from that choice (`blocks.consistent_slots`). `rollout` (the target
+    rolled out from `anchors`, `rollout.Roller`) gives every slot the target's choice after
+    its OWN earlier tokens instead: labels and teacher from the path, slots kept while the
+    path stays followable (`_path_slots`).
     """
     if consistent and not target_labels:
         raise ValueError("consistent labels need the target's labels (labels='target')")
+    target_labels = target_labels or rollout is not None
     c = drafter.config
     device = head.weight.device
     blocks, hidden = draft_blocks(drafter, embed, example, anchors, gamma, device)
     labels = head.to_local(blocks.labels.clamp(min=0))
     keep = (blocks.weights > 0) & ((labels >= 0) | target_labels)
-    teacher = None
-    if distill > 0 or target_labels:
+    weights = blocks.weights[keep].to(device)
+    teacher, stats = None, {}
+    if rollout is not None:
+        slot_hidden, valid = _path_slots(rollout, head, c.block_size)
+        teacher = head.target_logits(slot_hidden[keep])
+        weights = weights * valid[keep].to(device)
+        stats = _later_kept(valid, keep, c.block_size)
+    elif distill > 0 or target_labels:
         # The target's distribution for the token at position p comes from position p - 1.
         positions = (blocks.position_ids[len(example.input_ids) :] - 1)[keep]
         teacher = head.target_logits(example.final_hidden[positions])
     targets = teacher.argmax(-1) if target_labels else labels[keep].to(device)
-    weights = blocks.weights[keep].to(device)
-    stats = {}
     if consistent:
         agree = torch.zeros_like(keep)
         agree[keep] = labels[keep] == targets.cpu()
-        valid = consistent_slots(agree.view(-1, c.block_size)).flatten()[keep]
-        later = torch.arange(len(keep))[keep] % c.block_size >= 2
-        stats = {"later_kept": int((valid & later).sum()), "later_total": int(later.sum())}
-        weights = weights * valid.to(device)
+        valid = consistent_slots(agree.view(-1, c.block_size)).flatten()
+        weights = weights * valid[keep].to(device)
+        stats = _later_kept(valid, keep, c.block_size)
     logits = hidden[keep.to(device)] @ head.weight.T
     ce = F.cross_entropy(logits.float(), targets, reduction="none")
     loss = (ce * weights).sum() / (weights.sum() + 1e-6)
@@ -171,6 +182,24 @@ def block_loss(
     return loss, {"slot1_correct": int(correct.sum()), "slot1_total": int(correct.numel()), **stats}
 
 
+def _path_slots(path: Rollout, head: Head, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher state per slot and which slots keep a loss [N*bs]: slot k needs a path
+    token (k ≤ depth) and every earlier path token followable — inside the draft vocabulary
+    (else the drafter cannot propose it and nothing after it is accepted) and not a stop
+    token (generation ends there)."""
+    slot_hidden, has = path.slots(block_size)
+    followable = torch.zeros(len(path.tokens), block_size, dtype=torch.bool)
+    depth = path.tokens.shape[1]
+    followable[:, 1 : depth + 1] = (head.to_local(path.tokens) >= 0) & ~path.stop
+    return slot_hidden, has & consistent_slots(followable).flatten()
+
+
+def _later_kept(valid: torch.Tensor, keep: torch.Tensor, block_size: int) -> dict:
+    """How many labelled slots ≥ 2 keep their loss (the train log's `later_kept`)."""
+    later = keep & (torch.arange(len(keep)) % block_size >= 2)
+    return {"later_kept": int((valid & later).sum()), "later_total": int(later.sum())}
+
+
 def _save(path: Path, **state) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -184,14 +213,18 @@ def train(
     head: Head,
     examples: Sequence[feature_cache.Example],
     log=print,
+    roller: Callable[[feature_cache.Example, torch.Tensor], Rollout] | None = None,
 ) -> Path:
-    """Train `drafter` on cached features; resumes from `out_dir/checkpoint.pt`."""
+    """Train `drafter` on cached features; resumes from `out_dir/checkpoint.pt`.
+    `roller` (for labels="rollout") rolls the target out from a sequence's anchors."""
     from tqdm import tqdm
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not examples:
         raise ValueError(f"no training examples in {cfg.source}")
+    if (cfg.labels == "rollout") != (roller is not None):
+        raise ValueError("labels='rollout' and a roller go together")
     gamma = cfg.gamma or default_gamma(drafter.config.block_size)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total = max(1, int(cfg.epochs * steps_per_epoch))
@@ -229,6 +262,7 @@ def train(
                     anchors = sample_anchors(example.loss_mask(), cfg.num_anchors, anchor_gen)
                     if len(anchors) == 0:
                         continue
+                    rollout = roller(example, anchors) if roller else None  # outside autocast
                     with autocast:
                         loss, s = block_loss(
                             drafter,
@@ -240,6 +274,7 @@ def train(
                             cfg.distill,
                             target_labels=cfg.labels == "target",
                             consistent=cfg.consistent,
+                            rollout=rollout,
                         )
                     (loss / len(batch)).backward()
                     total_loss += loss.item() / len(batch)
