@@ -20,6 +20,8 @@ DEFAULT_SHARED_TOKENS = 262144
 # Committed rows whose draft-KV injection may wait for one batched write (CPU): 1.5 MB of
 # bf16 features for the embedded pair (256 x 2,880 x 2 bytes).
 DEFAULT_DEFER_ROWS = 256
+# A request's own prompt tokens a restricted draft vocabulary takes in (`draft_vocab.prompt_extra`).
+DEFAULT_PROMPT_VOCAB = 256
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class SpecOptions:
     explore_budget: float = 0.01  # share of step time exploration may add
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
     defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
+    prompt_vocab: int = DEFAULT_PROMPT_VOCAB  # prompt tokens joining a restricted vocab; 0: off
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
         """Verify widths the controller may pick; fixed width = the block alone."""
@@ -76,6 +79,7 @@ class SpecOptions:
             ENV_PREFIX + "EXPLORE_BUDGET": repr(self.explore_budget),
             ENV_PREFIX + "KERNELS": self.kernels,
             ENV_PREFIX + "DEFER_ROWS": str(self.defer_rows),
+            ENV_PREFIX + "PROMPT_VOCAB": str(self.prompt_vocab),
         }
 
     @classmethod
@@ -97,6 +101,7 @@ class SpecOptions:
             explore_budget=float(get("EXPLORE_BUDGET") or default.explore_budget),
             kernels=get("KERNELS") or default.kernels,
             defer_rows=int(get("DEFER_ROWS") or default.defer_rows),
+            prompt_vocab=int(get("PROMPT_VOCAB") or default.prompt_vocab),
         )
 
 
@@ -269,6 +274,15 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         f"request leaving the batch, or ROWS tokens held (default {DEFAULT_DEFER_ROWS}; "
         "0: inject every step, as on GPU, where injection is one fused kernel)",
     )
+    group.add_argument(
+        "--dflash-prompt-vocab",
+        type=_non_negative("--dflash-prompt-vocab"),
+        default=DEFAULT_PROMPT_VOCAB,
+        metavar="N",
+        help="a drafter with a restricted vocabulary also proposes up to N of each "
+        "request's own prompt tokens outside it (names, identifiers a reply copies; "
+        f"default {DEFAULT_PROMPT_VOCAB}; 0: the checkpoint's vocabulary alone)",
+    )
 
 
 def from_cli(ns: argparse.Namespace) -> SpecOptions:
@@ -286,4 +300,5 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         explore_budget=ns.dflash_explore_budget,
         kernels=ns.dflash_kernels,
         defer_rows=ns.dflash_defer_injection,
+        prompt_vocab=ns.dflash_prompt_vocab,
     )

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_sglang.acceptance import accepted_prefix_len
-from dflash_sglang.draft_vocab import draft_argmax
+from dflash_sglang.draft_vocab import draft_argmax, prompt_extra, select_extended
 from dflash_sglang.drafter import DFlashDrafter
+from dflash_sglang.options import DEFAULT_PROMPT_VOCAB
 
 
 @dataclass
@@ -45,11 +46,17 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 
 class ReferenceDecoder:
-    """`target` is a HF causal LM; `drafter` borrows its embedding and lm_head."""
+    """`target` is a HF causal LM; `drafter` borrows its embedding and lm_head.
+    `prompt_vocab` > 0: a restricted draft vocabulary also takes up to that many of the
+    prompt's own tokens (`draft_vocab.prompt_extra`), as DFLASH_X's `--dflash-prompt-vocab`
+    (default: the server's)."""
 
-    def __init__(self, target, drafter: DFlashDrafter) -> None:
+    def __init__(
+        self, target, drafter: DFlashDrafter, prompt_vocab: int = DEFAULT_PROMPT_VOCAB
+    ) -> None:
         self.target = target
         self.drafter = drafter
+        self.prompt_vocab = prompt_vocab
         self.config = drafter.config
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -64,12 +71,17 @@ class ReferenceDecoder:
         )
         return out.logits[0], target_features(out.hidden_states, self.config.target_layer_ids)[0]
 
-    def _draft(self, block: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+    def _draft(
+        self, block: torch.Tensor, context: torch.Tensor, start: int, extra: torch.Tensor
+    ) -> torch.Tensor:
         """Greedy proposals for block slots 1.. (draft proposals are always argmax)."""
         bs = len(block)
         positions = torch.arange(start + bs)[None]
         hidden = self.drafter(self.embed(block)[None], context[None], positions)
-        return draft_argmax(hidden[0, 1:], self.lm_head.weight, self.drafter.draft_vocab_ids)
+        ids, weight = self.drafter.draft_vocab_ids, self.lm_head.weight
+        if ids is None or not len(extra):
+            return draft_argmax(hidden[0, 1:], weight, ids)
+        return select_extended(hidden[:, 1:], weight[ids], ids, weight, extra[None])[0]
 
     @torch.no_grad()
     def generate(
@@ -88,6 +100,8 @@ class ReferenceDecoder:
         mask_id = self.config.mask_token_id
         cache = DynamicCache()
         prompt = torch.tensor(prompt_ids)
+        ids = self.drafter.draft_vocab_ids
+        extra = prompt_extra(prompt_ids, ids, self.prompt_vocab) if ids is not None else prompt[:0]
         logits, context = self._target(prompt, torch.arange(len(prompt)), cache)
         out = [int(choose(logits[-1], temperature, generator))]
         gen = Generation(tokens=out)
@@ -95,7 +109,7 @@ class ReferenceDecoder:
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
             block = torch.full((bs,), mask_id)
             block[0] = out[-1]
-            block[1:] = self._draft(block, context, start)
+            block[1:] = self._draft(block, context, start, extra)
             logits, features = self._target(block, torch.arange(start, start + bs), cache)
             post = choose(logits, temperature, generator)
             acc = int(accepted_prefix_len((block[1:] == post[:-1])[None])[0])

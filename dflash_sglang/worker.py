@@ -126,6 +126,7 @@ class DFlashXWorker(DFlashWorkerV2):
                 self._warm_shared(server_args)
         self._previous_reqs: list = []  # the last decode batch's requests (shared lookup)
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._prompt_extras: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
         self._deferred: kv_injection.DeferredRows | None = None
         if self.platform.defer_injection and self.options.defer_rows:
@@ -412,8 +413,13 @@ class DFlashXWorker(DFlashWorkerV2):
                 proposals = self._draft_sampler.out[: bs * (width - 1)].view(bs, width - 1)
             elif self._draft_vocab is not None:
                 hidden = draft_out.logits_output.hidden_states.view(bs, width, -1)
-                proposals = draft_vocab.select(
-                    hidden[:, 1:, :], *self._restricted_head(target_model)
+                head, ids = self._restricted_head(target_model)
+                proposals = draft_vocab.select_extended(
+                    hidden[:, 1:, :],
+                    head,
+                    ids,
+                    unwrap_lora_layer(target_model.lm_head).weight,
+                    self._extras_of(batch.reqs, ids),
                 )
             else:
                 hidden = draft_out.logits_output.hidden_states.view(bs, width, -1)
@@ -450,6 +456,21 @@ class DFlashXWorker(DFlashWorkerV2):
         head, ids = self._restricted_head(self.target_worker.model_runner.model)
         max_bs = max(get_exec().graph.cuda_graph_config.decode.bs)
         return draft_vocab.InGraphHead(head, ids, int(self.block_size), max_bs)
+
+    def _extras_of(self, reqs, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """[bs, E] each request's prompt tokens outside the draft vocabulary
+        (`--dflash-prompt-vocab`), found once per request. Not in the CUDA-graph head, which
+        keeps the static vocabulary."""
+        extras = []
+        for req in reqs:
+            extra = self._prompt_extras.get(req)
+            if extra is None:
+                extra = draft_vocab.prompt_extra(
+                    req.origin_input_ids, vocab_ids.cpu(), self.options.prompt_vocab
+                )
+                self._prompt_extras[req] = extra
+            extras.append(extra)
+        return draft_vocab.pad_extras(extras).to(vocab_ids.device)
 
     def _restricted_head(self, target_model) -> tuple[torch.Tensor, torch.Tensor]:
         """(lm_head rows of the draft vocabulary, their ids), built once on first use."""

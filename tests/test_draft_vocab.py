@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_sglang.draft_vocab import draft_argmax, most_frequent, select
+from dflash_sglang.draft_vocab import (
+    draft_argmax,
+    most_frequent,
+    pad_extras,
+    prompt_extra,
+    select,
+    select_extended,
+)
 
 
 def test_most_frequent_ranks_by_count_then_id():
@@ -31,6 +38,40 @@ def test_proposals_come_from_the_vocabulary_in_full_ids():
     # The full vocabulary's winner is kept whenever it is in the draft vocabulary.
     everything = torch.arange(50)
     assert torch.equal(draft_argmax(hidden, weight, everything), full)
+
+
+def test_prompt_extra_keeps_the_latest_prompt_tokens_outside_the_vocabulary():
+    vocab = torch.tensor([1, 2, 3])
+    prompt = [9, 1, 7, 9, 2, 8, 7, 5]
+    # Outside the vocabulary, latest occurrence first: 5, 7, 8, 9.
+    assert prompt_extra(prompt, vocab, 10).tolist() == [5, 7, 8, 9]
+    assert prompt_extra(prompt, vocab, 2).tolist() == [5, 7]
+    assert prompt_extra(prompt, vocab, 0).tolist() == []
+    assert prompt_extra([], vocab, 4).tolist() == []
+    assert prompt_extra([1, 2, 2, 3], vocab, 4).tolist() == []
+
+
+def test_extended_proposals_are_the_argmax_over_each_requests_union():
+    torch.manual_seed(0)
+    weight = torch.randn(60, 8)
+    hidden = torch.randn(3, 5, 8)
+    vocab = torch.tensor([0, 4, 9, 30])
+    extras = [torch.tensor([11, 50, 7]), torch.tensor([]).long(), torch.tensor([42])]
+    padded = pad_extras(extras)
+    assert padded.tolist() == [[11, 50, 7], [-1, -1, -1], [42, -1, -1]]
+    got = select_extended(hidden, weight[vocab], vocab, weight, padded)
+    for b, extra in enumerate(extras):
+        union = torch.cat([vocab, extra])
+        assert torch.equal(got[b], union[(hidden[b] @ weight[union].T).argmax(-1)])
+    # Nothing extra: the static proposals; a padded slot is never proposed.
+    none = pad_extras([torch.tensor([]).long()] * 3)
+    assert torch.equal(
+        select_extended(hidden, weight[vocab], vocab, weight, none),
+        select(hidden, weight[vocab], vocab),
+    )
+    assert (got >= 0).all()
+    # Extras do win where they score higher: the test would pass vacuously otherwise.
+    assert set(got.flatten().tolist()) & {11, 50, 7, 42}
 
 
 def test_full_vocabulary_copy_drops_only_the_restricted_vocabulary(tmp_path):

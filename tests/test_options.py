@@ -38,9 +38,11 @@ def test_flags_round_trip_through_the_environment():
         "--dflash-explore-every=0",
         "--dflash-explore-budget=0.25",
         "--dflash-defer-injection=0",
+        "--dflash-prompt-vocab=0",
     )
     assert SpecOptions.from_env(opts.to_env()) == opts
     assert opts.defer_rows == 0 and SpecOptions().defer_rows > 0
+    assert opts.prompt_vocab == 0 and SpecOptions().prompt_vocab > 0
     shared = _parse("--dflash-suffix-shared=4096")
     assert SpecOptions.from_env(shared.to_env()) == shared
     assert SpecOptions.from_env(_parse().to_env()) == SpecOptions()
@@ -76,6 +78,7 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-suffix-shared", "x"], "--dflash-suffix-shared takes an integer"),
         (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),
         (["--dflash-defer-injection", "-5"], "--dflash-defer-injection must be >= 0"),
+        (["--dflash-prompt-vocab", "-1"], "--dflash-prompt-vocab must be >= 0"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message, capsys):

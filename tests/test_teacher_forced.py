@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_sglang.draft_vocab import prompt_extra
 from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training import evaluate, features
@@ -37,3 +38,31 @@ def test_acceptance_at_the_decode_steps_equals_the_reference_loop(half_models):
         assert evaluate.decode_walk(drafter, embed, head, example, chunk=5)[:-1] == steps[:-1]
         all_lengths += steps
     assert 1 < sum(all_lengths) / len(all_lengths) < drafter.config.block_size  # partial
+
+
+def test_a_restricted_vocabulary_with_prompt_tokens_walks_as_the_reference_loop(half_models):
+    """`--dflash-prompt-vocab`: the reference loop, the walk and (through the same rule,
+    `draft_vocab.prompt_extra`) the server propose from the draft vocabulary plus each
+    prompt's own tokens; the walk still retraces the decode's steps."""
+    target = AutoModelForCausalLM.from_pretrained(half_models["target"], dtype=torch.float32)
+    drafter = DFlashDrafter.load(half_models["draft"]).eval()
+    # Without token 0, the target's only output here, no draft is ever accepted; the
+    # prompts hold it, so their tokens bring it back.
+    drafter.draft_vocab_ids = torch.arange(1, target.config.vocab_size)
+    prompts = [[5, 9, 13, 2, 0], [5, 9, 0, 13, 2]]
+    embed, weight = target.get_input_embeddings(), target.lm_head.weight.detach()
+    layers = list(drafter.config.target_layer_ids)
+    taus = {}
+    for cap in (0, 256):
+        decoder = ReferenceDecoder(target.eval(), drafter, prompt_vocab=cap)
+        examples = []
+        for prompt in prompts:
+            gen = decoder.generate(prompt, 48)
+            sample = {"prompt_ids": prompt, "response_ids": gen.tokens}
+            examples.append(features.extract(target, sample, layers, max_len=4096))
+            extra = prompt_extra(prompt, drafter.draft_vocab_ids, cap)
+            head = Head(weight, torch.cat([drafter.draft_vocab_ids, extra]))
+            walk = evaluate.decode_walk(drafter, embed, head, examples[-1], chunk=5)
+            assert walk[:-1] == gen.acceptance_lengths[:-1]
+        taus[cap] = evaluate.teacher_forced(drafter, embed, weight, examples, cap)["tau"]
+    assert taus[0] == 1.0 and taus[256] > 1.0

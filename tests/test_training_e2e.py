@@ -4,14 +4,18 @@ features, train (resumably, deterministically), export, and serve the result in 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from dflash_sglang import draft_vocab
 from dflash_sglang.draft_vocab import most_frequent
 from dflash_sglang.drafter import DFlashDrafter
 from dflash_sglang.loadtest import server_metrics
+from dflash_sglang.options import DEFAULT_PROMPT_VOCAB
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.__main__ import main
 from dflash_sglang.training.data import read_samples
@@ -51,24 +55,32 @@ def _tau(target_dir, drafter_dir, samples) -> float:
     return sum(lengths) / len(lengths)
 
 
-def _serve_and_compare(run, drafter_dir, samples, log_path) -> None:
+def _serve_and_compare(run, drafter_dir, samples, log_path, prompt_vocab=None) -> list[int]:
     """Serve `drafter_dir` under DFLASH_X (SGLang's upstream DFlashDraftModel loads it) and
-    check the server accepts exactly what the reference loop accepts, request by request."""
+    check the server accepts exactly what the reference loop accepts, request by request.
+    `prompt_vocab`: `--dflash-prompt-vocab` on both sides (None: both defaults). Returns
+    the verify steps per request."""
     args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
     draft = ["--speculative-draft-model-path", str(drafter_dir), *PURE_DFLASH]
+    if prompt_vocab is not None:
+        draft += ["--dflash-prompt-vocab", str(prompt_vocab)]
     server = Server([*args, *draft], log_path)
+    steps = []
     try:
         # The drafter's block runs compiled on CPU by default: this pins it to the reference.
         assert "Draft block forward: compiled" in log_path.read_text()
         target = AutoModelForCausalLM.from_pretrained(run["target"], dtype=torch.float32).eval()
-        decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir))
+        vocab = DEFAULT_PROMPT_VOCAB if prompt_vocab is None else prompt_vocab
+        decoder = ReferenceDecoder(target, DFlashDrafter.load(drafter_dir), vocab)
         for s in samples:
             meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
             ref = decoder.generate(s["prompt_ids"], NEW)
             assert meta["meta_info"]["spec_verify_ct"] == len(ref.acceptance_lengths)
             assert meta["output_ids"] == ref.tokens
+            steps.append(len(ref.acceptance_lengths))
     finally:
         server.stop()
+    return steps
 
 
 def _drafts_by_source(server: Server, samples) -> tuple[list, dict[tuple[str, str], float]]:
@@ -256,4 +268,29 @@ def test_restricted_vocabulary_drafter_serves_in_dflash_x(run, tmp_path):
     responses = [s["response_ids"] for s in read_samples(run["data"])]
     assert drafter.draft_vocab_ids.tolist() == most_frequent(responses, 64).tolist()
 
-    _serve_and_compare(run, out / "drafter", read_samples(run["data"])[:4], tmp_path / "s.log")
+    samples = read_samples(run["data"])[:4]
+    _serve_and_compare(run, out / "drafter", samples, tmp_path / "s.log")
+
+    # --dflash-prompt-vocab (default on): with the responses' most frequent tokens taken out
+    # of the draft vocabulary, only the prompts that hold them bring them back; the server
+    # accepts what the reference loop accepts either way.
+    top = most_frequent([s["response_ids"] for s in samples], 8).tolist()
+    drop = set(top) & {t for s in samples for t in s["prompt_ids"]}
+    assert drop
+    without = _without_tokens(out / "drafter", tmp_path / "d", drop)
+    extended = _serve_and_compare(run, without, samples, tmp_path / "e.log")
+    static = _serve_and_compare(run, without, samples, tmp_path / "e0.log", 0)
+    assert sum(extended) < sum(static)  # fewer verify steps: the prompts' tokens were accepted
+
+
+def _without_tokens(drafter_dir, out_dir, drop: set[int]):
+    """A copy of a restricted-vocabulary drafter whose vocabulary lacks `drop` (same size)."""
+    shutil.copytree(drafter_dir, out_dir)
+    for file in out_dir.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        original = tensors[draft_vocab.KEY].tolist()
+        ids = [i for i in original if i not in drop]
+        spare = [i for i in range(max(original)) if i not in drop and i not in ids]
+        tensors[draft_vocab.KEY] = torch.tensor(sorted(ids + spare[: len(original) - len(ids)]))
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    return out_dir

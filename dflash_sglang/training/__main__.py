@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_sglang.options import DEFAULT_PROMPT_VOCAB
+
 EVAL_SETS = ("mt_bench", "humaneval", "math")
 
 
@@ -281,7 +283,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     except CheckpointError as e:
         raise CliError(f"--drafter: {e}") from e
     if a.features_dir:
-        report = _teacher_forced(a.features_dir, target_dir, drafter_dir)
+        report = _teacher_forced(a.features_dir, target_dir, drafter_dir, a.prompt_vocab)
     else:
         report = evaluate.run(
             target_dir,
@@ -294,6 +296,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
             server_url=a.server_url,
             baseline_url=a.baseline_url,
             check_greedy=a.check_greedy,
+            prompt_vocab=a.prompt_vocab,
         )
     text = json.dumps(report, indent=1)
     if a.out:
@@ -301,7 +304,9 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     print(text)
 
 
-def _teacher_forced(features_dir: str, target_dir: Path, drafter_dir: Path) -> dict:
+def _teacher_forced(
+    features_dir: str, target_dir: Path, drafter_dir: Path, prompt_vocab: int
+) -> dict:
     from dflash_sglang.drafter import DFlashDrafter
     from dflash_sglang.training import evaluate, features
 
@@ -318,6 +323,7 @@ def _teacher_forced(features_dir: str, target_dir: Path, drafter_dir: Path) -> d
         target.get_input_embeddings(),
         target.get_output_embeddings().weight,
         examples,
+        prompt_vocab,
     )
     return {"drafter": str(drafter_dir), "features": str(source), "teacher_forced": result}
 
@@ -513,6 +519,14 @@ def parser() -> argparse.ArgumentParser:
         help="instead of decoding: teacher-forced τ on these cached features of greedy "
         "target data (e.g. generate --prompt-set mt_bench, then features)",
     )
+    e.add_argument(
+        "--prompt-vocab",
+        type=int,
+        default=DEFAULT_PROMPT_VOCAB,
+        metavar="N",
+        help="a restricted draft vocabulary also takes up to N of each prompt's own tokens, "
+        f"as the server's --dflash-prompt-vocab (default {DEFAULT_PROMPT_VOCAB}; 0: off)",
+    )
     e.add_argument("--out", help="write the JSON report here")
     e.set_defaults(func=cmd_evaluate)
 
@@ -554,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--epochs must be > 0, got {args.epochs}")
     if getattr(args, "gamma", None) is not None and args.gamma <= 0:
         p.error(f"--gamma must be > 0, got {args.gamma}")
+    if getattr(args, "prompt_vocab", 0) < 0:
+        p.error(f"--prompt-vocab must be >= 0, got {args.prompt_vocab}")
     if getattr(args, "rollout_depth", None) is not None:
         if args.labels != "rollout":
             p.error("--rollout-depth needs --labels rollout")

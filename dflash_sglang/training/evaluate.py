@@ -15,6 +15,7 @@ import requests
 
 from dflash_sglang.acceptance import accepted_prefix_len
 from dflash_sglang.drafter import DFlashDrafter
+from dflash_sglang.options import DEFAULT_PROMPT_VOCAB
 from dflash_sglang.reference import ReferenceDecoder
 from dflash_sglang.training.data import chat_ids, heldout_sets
 
@@ -107,7 +108,8 @@ def through_server(
 
 def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list[int]:
     """Acceptance length of a greedy decode step anchored at each of `anchors`, from the
-    cached features of the target's own greedy data (`head`: a `train.Head`).
+    cached features of the target's own greedy data (`head`: a `train.Head`, whose
+    vocabulary the drafter proposes from: normally its own `draft_vocab_ids`).
 
     A step anchored at a sees what the reference loop's step there sees (context features
     before a, token a), so the leading draft slots equal to the data, plus the bonus
@@ -122,7 +124,7 @@ def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list
     with torch.no_grad():
         b, hidden = draft_blocks(drafter, embed, example, anchors, gamma=1.0)
         local = head_argmax(hidden, head.weight)
-    ids = drafter.draft_vocab_ids
+    ids = head.vocab_ids
     drafts = (local if ids is None else ids[local]).view(len(anchors), -1)[:, 1:]
     labels = b.labels.view(len(anchors), -1)[:, 1:]
     match = (drafts == labels) & (labels != IGNORE)
@@ -154,15 +156,29 @@ def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -
     return steps
 
 
-def teacher_forced(drafter: DFlashDrafter, embed, lm_head_weight, examples) -> dict:
+def teacher_forced(
+    drafter: DFlashDrafter,
+    embed,
+    lm_head_weight,
+    examples,
+    prompt_vocab: int = DEFAULT_PROMPT_VOCAB,
+) -> dict:
     """τ and histogram of greedy decoding over cached features of the target's own greedy
     output (`decode_walk`): the reference loop's numbers without running the target, for
-    comparing training runs on held-out prompts."""
+    comparing training runs on held-out prompts. `prompt_vocab` as the reference loop's
+    (a restricted vocabulary plus each prompt's own tokens)."""
+    import torch
+
+    from dflash_sglang.draft_vocab import prompt_extra
     from dflash_sglang.training.train import Head
 
-    head = Head(lm_head_weight.detach().float(), drafter.draft_vocab_ids)
+    weight, ids = lm_head_weight.detach().float(), drafter.draft_vocab_ids
+    head = Head(weight, ids)
     lengths: list[int] = []
     for ex in examples:
+        if ids is not None and prompt_vocab:
+            extra = prompt_extra(ex.input_ids[: ex.prompt_len].tolist(), ids, prompt_vocab)
+            head = Head(weight, torch.cat([ids, extra]))
         lengths += decode_walk(drafter, embed, head, ex)
     summary = summarize(lengths, sum(lengths), 0.0, drafter.config.block_size)
     return {k: summary[k] for k in ("tau", "steps", "histogram", "accept_at")}
@@ -194,6 +210,7 @@ def run(
     server_url: str | None,
     baseline_url: str | None = None,
     check_greedy: bool = False,
+    prompt_vocab: int = DEFAULT_PROMPT_VOCAB,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,7 +218,7 @@ def run(
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     drafter = DFlashDrafter.load(drafter_dir, getattr(torch, dtype)).eval()
-    decoder = ReferenceDecoder(target, drafter)
+    decoder = ReferenceDecoder(target, drafter, prompt_vocab)
     bs = block_size or drafter.config.block_size
     stop = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     available = heldout_sets()

@@ -60,6 +60,7 @@ class Head:
         self, weight: torch.Tensor, vocab_ids: torch.Tensor | None, device: str = "cpu"
     ) -> None:
         vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
+        self.vocab_ids = vocab_ids  # row index -> full id (None: the full vocabulary)
         self.weight = (weight if vocab_ids is None else weight[vocab_ids.to(weight.device)]).to(
             device
         )
