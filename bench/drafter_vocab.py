@@ -33,8 +33,8 @@ def score(drafter, embed, weight, examples, variant: str) -> dict:
     """Teacher-forced τ with `variant`'s vocabulary, and the share of response tokens in it."""
     ids = drafter.draft_vocab_ids
     cap = DEFAULT_PROMPT_VOCAB if variant == "draft+prompt" else 0
-    if variant == "full":
-        drafter = copy.copy(drafter)
+    if variant == "full":  # the same weights without their vocabulary (a shallow copy would
+        drafter = copy.deepcopy(drafter)  # share its buffers with the original)
         drafter.draft_vocab_ids = None
     result = teacher_forced(drafter, embed, weight, examples, prompt_vocab=cap)
     inside = total = 0

@@ -70,19 +70,14 @@ WEIGHT = torch.linalg.qr(torch.randn(V, V, generator=torch.Generator().manual_se
 WEIGHT = WEIGHT[:, :H].contiguous() * 4  # distinct lm_head rows: a state "says" one token
 
 
-def _loss(example: Example, head: Head, **kw) -> float:
+def _block_loss(example: Example, head: Head, distill: float = 0.5, **kw):
     torch.manual_seed(0)
-    loss, stats = block_loss(
-        new_drafter(CONFIG, seed=0),
-        torch.nn.Embedding(V, H),
-        head,
-        example,
-        ANCHORS,
-        gamma=7.0,
-        distill=0.5,
-        **kw,
-    )
-    return loss.item()
+    drafter, embed = new_drafter(CONFIG, seed=0), torch.nn.Embedding(V, H)
+    return block_loss(drafter, embed, head, example, ANCHORS, 7.0, distill, **kw)
+
+
+def _loss(example: Example, head: Head, **kw) -> float:
+    return _block_loss(example, head, **kw)[0].item()
 
 
 def _says(tokens: torch.Tensor) -> torch.Tensor:
@@ -130,16 +125,7 @@ def test_slots_after_a_stop_or_an_out_of_vocabulary_token_carry_no_loss():
 
 def test_a_shallow_rollout_leaves_later_slots_without_loss():
     example, head = _example(), Head(WEIGHT, None)
-    _, stats = block_loss(
-        new_drafter(CONFIG, seed=0),
-        torch.nn.Embedding(V, H),
-        head,
-        example,
-        ANCHORS,
-        gamma=7.0,
-        distill=0.0,
-        rollout=_rollout([[1], [3]]),
-    )
+    _, stats = _block_loss(example, head, distill=0.0, rollout=_rollout([[1], [3]]))
     assert stats["later_kept"] == 0 and stats["later_total"] > 0
     with pytest.raises(ValueError, match="depth"):
         _rollout([[1, 2, 3, 4], [1, 2, 3, 4]]).slots(CONFIG.block_size)
