@@ -296,7 +296,7 @@ def read_rows(path: Path) -> list[LevelRow]:
 def write_report(rows: list[LevelRow], config: dict, out: Path) -> None:
     """peers.json / peers.csv and the loadtest's charts (sweep.png and one PNG per panel)."""
     out.mkdir(parents=True, exist_ok=True)
-    set_speedups(rows, "ours_dx", "ours_plain")
+    set_speedups(rows, "ours_plain")
     write_json(rows, config, out / "peers.json")
     write_csv(rows, out / "peers.csv")
     write_plots(rows, out)

@@ -62,9 +62,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-match", type=int, default=4)
     parser.add_argument("--max-proposal", type=int, default=15)
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=0,
+        help="replay only each output's first N tokens, as a server capping replies at N",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.max_output_tokens < 0:
+        parser.error("--max-output-tokens must be >= 0 (0: whole outputs)")
     records = read_jsonl(args.heldout)
+    if args.max_output_tokens:
+        cap = args.max_output_tokens
+        records = [{**r, "response_ids": r["response_ids"][:cap]} for r in records]
     warm = read_jsonl(args.warm) if args.warm else []
     warm = warm[-args.warm_limit :] if args.warm_limit else warm
     results = {}

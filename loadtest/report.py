@@ -20,7 +20,7 @@ CSV_COLUMNS = [
 @dataclass
 class LevelRow:
     """One server at one concurrency level. `speedup`: this server's output tok/s over the
-    baseline's at the same level (set on the measured server's rows only)."""
+    baseline's at the same level (None on the baseline's own rows)."""
 
     server: str
     url: str
@@ -43,10 +43,11 @@ class LevelRow:
         }
 
 
-def set_speedups(rows: list[LevelRow], measured: str, baseline: str) -> None:
+def set_speedups(rows: list[LevelRow], baseline: str) -> None:
+    """Every server's output tok/s over the baseline's at the same level."""
     base = {r.concurrency: r.stats.output_tok_s for r in rows if r.server == baseline}
     for row in rows:
-        if row.server == measured and base.get(row.concurrency):
+        if row.server != baseline and base.get(row.concurrency):
             row.speedup = row.stats.output_tok_s / base[row.concurrency]
 
 

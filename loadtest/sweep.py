@@ -58,7 +58,7 @@ def run_sweep(args: argparse.Namespace) -> list[LevelRow]:
             records_file = raw / f"{label}_c{concurrency}.jsonl"
             rows.append(_measure(label, plan, prompts_file, records_file, args.out))
             print(_progress(rows[-1]), flush=True)
-        set_speedups(rows, args.label, args.baseline_label)
+        set_speedups(rows, args.baseline_label)
         write_csv(rows, args.out / "sweep.csv")
         write_json(rows, config, args.out / "sweep.json")
     write_plots(rows, args.out)
@@ -107,7 +107,7 @@ def _config(args: argparse.Namespace, num_prompts: int) -> dict[str, Any]:
     n, per_user = args.requests_per_level
     return {k: getattr(args, k) for k in keys} | {
         "servers": {label: {"url": u, "model": m} for label, (u, m) in args.servers.items()},
-        "measured": args.label,
+        "measured": [args.label, *(label for label, _ in args.also)],
         "baseline": args.baseline_label if args.baseline_url else None,
         "requests_per_level": f"{n}x" if per_user else n,
         "num_prompts": num_prompts,

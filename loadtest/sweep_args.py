@@ -73,6 +73,14 @@ def http_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def labelled_url(text: str) -> tuple[str, str]:
+    """`LABEL=URL`: one more server under test (e.g. DFLASH_X with other flags)."""
+    label, sep, url = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"expected LABEL=http(s)://host:port, got {text!r}")
+    return label, http_url(url)
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.sweep",
@@ -83,6 +91,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--baseline-url", type=http_url, help="same model, no speculation")
     p.add_argument("--label", default="dflash", help="name of --url in the report")
     p.add_argument("--baseline-label", default="baseline", help="name of --baseline-url")
+    p.add_argument(
+        "--also",
+        type=labelled_url,
+        action="append",
+        default=[],
+        metavar="LABEL=URL",
+        help="another server under test, measured in turn with the others (repeatable)",
+    )
     p.add_argument(
         "--concurrency",
         type=concurrency_list,
@@ -145,18 +161,22 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
     """Parse, then fail before any load if a server does not answer. Adds `servers`:
-    {label: (url, model)}, the server under test first."""
+    {label: (url, model)}, the server under test first, `--also` servers next, the
+    baseline last."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
-    if args.baseline_url and args.baseline_url == args.url:
-        parser.error("--baseline-url must differ from --url")
-    if args.label == args.baseline_label:
-        parser.error("--label and --baseline-label must differ")
+    named = [("--url", args.label, args.url)]
+    named += [("--also", label, url) for label, url in args.also]
+    if args.baseline_url:
+        named.append(("--baseline-url", args.baseline_label, args.baseline_url))
+    for i, (flag, label, url) in enumerate(named):
+        for earlier_flag, earlier_label, earlier_url in named[:i]:
+            if url == earlier_url:
+                parser.error(f"{flag} must differ from {earlier_flag} (both {url})")
+            if label == earlier_label:
+                parser.error(f"{flag}: label {label!r} is taken by {earlier_flag}")
     args.servers = {}
-    for flag, label, url in (
-        ("--url", args.label, args.url),
-        ("--baseline-url", args.baseline_label, args.baseline_url),
-    ):
+    for flag, label, url in named:
         if url:
             try:
                 served = served_model(url)  # also: fail now if nothing answers

@@ -161,10 +161,12 @@ def test_speedup_is_against_the_baseline_at_the_same_level():
         stats = summarize([record(0.0, 1.0, tokens=tok_s)], planned=1)
         return LevelRow(server, "u", concurrency, 1, stats, None, None, None, "r")
 
-    rows = [row("dflash", 1, 30), row("baseline", 1, 20)]
-    rows += [row("dflash", 2, 50), row("baseline", 2, 25)]
-    set_speedups(rows, "dflash", "baseline")
-    assert [r.speedup for r in rows] == [pytest.approx(1.5), None, pytest.approx(2.0), None]
+    rows = [row("dflash", 1, 30), row("fixed", 1, 10), row("baseline", 1, 20)]
+    rows += [row("dflash", 2, 50), row("fixed", 2, 5), row("baseline", 2, 25)]
+    set_speedups(rows, "baseline")
+    assert [r.speedup for r in rows] == [
+        pytest.approx(1.5), pytest.approx(0.5), None, pytest.approx(2.0), pytest.approx(0.2), None
+    ]  # fmt: skip
 
 
 def test_level_prompts_wrap_and_mixed_alternates_sets():
@@ -198,8 +200,24 @@ def test_shared_prefix_prompts_come_in_groups_sharing_an_article():
         (["--max-seconds-per-level", "inf"], "argument --max-seconds-per-level"),
         (["--extra-body", "[1]"], "argument --extra-body: expected a JSON object"),
         (["--dataset", "random"], "argument --dataset: invalid choice"),
+        (["--also", "http://127.0.0.1:8"], "argument --also: expected LABEL=http"),
+        (["--also", "fixed=127.0.0.1:8"], "argument --also: expected http(s)://host:port"),
+        (["--also", "x=http://127.0.0.1:9"], "--also must differ from --url"),
+        (["--also", "dflash=http://127.0.0.1:8"], "--also: label 'dflash' is taken by --url"),
     ],
-    ids=["zero-users", "duplicate", "bad-count", "no-tokens", "unbounded", "not-object", "random"],
+    ids=[
+        "zero-users",
+        "duplicate",
+        "bad-count",
+        "no-tokens",
+        "unbounded",
+        "not-object",
+        "random",
+        "also-no-label",
+        "also-no-scheme",
+        "also-same-url",
+        "also-same-label",
+    ],
 )
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -228,10 +246,13 @@ def test_baseline_must_be_another_server(capsys):
 @pytest.mark.server
 def test_sweep_writes_csv_json_and_plots(live_dflash, live_ar, tmp_path):
     out = tmp_path / "sweep"
+    # `--also`: the same DFlash server under another name (another URL for it), measured too.
+    alias = live_dflash.url.replace("127.0.0.1", "localhost")
+    assert alias != live_dflash.url
     # The installed module, from another directory, with a relative --out.
     cmd = [
         sys.executable, "-m", "dflash_sglang.loadtest.sweep",
-        "--url", live_dflash.url, "--baseline-url", live_ar.url,
+        "--url", live_dflash.url, "--baseline-url", live_ar.url, "--also", f"alias={alias}",
         "--concurrency", "1,2", "--requests-per-level", "4", "--max-tokens", "16",
         "--ignore-eos", "--extra-body", '{"skip_special_tokens": false}',
         "--max-seconds-per-level", "120", "--out", "sweep",
@@ -243,7 +264,7 @@ def test_sweep_writes_csv_json_and_plots(live_dflash, live_ar, tmp_path):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC, name
     with (out / "sweep.csv").open() as f:
         rows = {(r["server"], int(r["concurrency"])): r for r in csv.DictReader(f)}
-    assert set(rows) == {(s, c) for s in ("dflash", "baseline") for c in (1, 2)}
+    assert set(rows) == {(s, c) for s in ("dflash", "alias", "baseline") for c in (1, 2)}
     for (server, _), row in rows.items():
         assert (row["requests"], row["errors"], row["unfinished"], row["no_text"]) == (
             "4", "0", "0", "0",
@@ -251,7 +272,7 @@ def test_sweep_writes_csv_json_and_plots(live_dflash, live_ar, tmp_path):
         assert float(row["output_tok_s"]) > 0 and float(row["mean_output_tokens"]) == 16
         for column in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
             assert float(row[column]) > 0, (server, column)
-        if server == "dflash":
+        if server in ("dflash", "alias"):
             assert float(row["tau"]) > 1 and float(row["speedup"]) > 0
         else:
             assert row["tau"] == "" and row["speedup"] == ""
@@ -266,5 +287,5 @@ def test_sweep_writes_csv_json_and_plots(live_dflash, live_ar, tmp_path):
         assert generated == level["output_tokens"] == 4 * 16, level["server"]
         records = [json.loads(line) for line in (out / level["records_file"]).open()]
         assert len(records) == 4 and all(r["status"] == 200 for r in records)
-        if level["server"] == "dflash":  # several tokens per chunk: chunks are not tokens
+        if level["server"] != "baseline":  # several tokens per chunk: chunks are not tokens
             assert sum(r["content_chunks"] for r in records) < level["output_tokens"]
