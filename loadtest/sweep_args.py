@@ -177,10 +177,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                 parser.error(f"{flag}: label {label!r} is taken by {earlier_flag}")
     args.servers = {}
     for flag, label, url in named:
-        if url:
-            try:
-                served = served_model(url)  # also: fail now if nothing answers
-            except ServerUnreachable as e:
-                parser.error(f"{flag} {url}: {e}")
-            args.servers[label] = (url, args.model or served)
+        try:
+            served = served_model(url)  # also: fail now if nothing answers
+        except ServerUnreachable as e:
+            parser.error(f"{flag} {url}: {e}")
+        args.servers[label] = (url, args.model or served)
     return args
