@@ -231,3 +231,44 @@ def test_warm_starts_as_full_as_capacity_allows_with_the_newest_documents():
     assert SharedSuffixIndex(capacity=1000).warm([]) == 0
     with pytest.raises(ValueError, match="empty index"):
         warmed.warm(docs)
+
+
+def _replay_main():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from replay_suffix import main
+
+    return main
+
+
+def test_replay_cli_caps_outputs_and_refuses_a_negative_cap(tmp_path, capsys):
+    import json
+
+    record = {"source": "s", "prompt_ids": [5, 6], "response_ids": [1, 2, 3] * 4}
+    heldout = tmp_path / "h.jsonl"
+    heldout.write_text(json.dumps(record) + "\n")
+    main = _replay_main()
+    out = tmp_path / "r.json"
+    main(
+        [
+            "--heldout",
+            str(heldout),
+            "--capacities",
+            "0",
+            "--max-output-tokens",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
+    # The cap replays the first 3 tokens, as replay_tau on them alone (not on all 6).
+    capped, _ = replay_tau([5, 6], [1, 2, 3])
+    whole, _ = replay_tau([5, 6], record["response_ids"])
+    assert capped != pytest.approx(whole)
+    assert json.loads(out.read_text())["results"]["0"]["s"]["tau"] == pytest.approx(capped)
+    with pytest.raises(SystemExit) as exc:
+        main(["--heldout", str(heldout), "--max-output-tokens", "-1"])
+    assert exc.value.code == 2
+    assert "--max-output-tokens must be >= 0" in capsys.readouterr().err
