@@ -139,6 +139,18 @@ def profile(server: Server, concurrency: int, seconds: float, work: Path) -> dic
     }
 
 
+def arm_args(target: Path, draft: Path) -> dict[str, list[str]]:
+    """Launcher arguments per arm: the embedded target, the bundled drafter."""
+    common = ["--model-path", str(target), "--max-total-tokens", "65536"]
+    dflash_x = [*common, "--speculative-draft-model-path", str(draft)]
+    return {
+        "plain": [*common, "--speculative-algorithm", "NONE"],
+        "dflash_x": dflash_x,
+        "dflash_x_fixed": [*dflash_x, "--dflash-adaptive", "off", "--dflash-suffix", "off"],
+        "dflash_x_width1": [*dflash_x, "--dflash-widths", "1"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--concurrency", default="1,8")
@@ -151,16 +163,8 @@ def main() -> None:
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafters import default_draft_dir
 
-    target = ensure_default_target()
     work = Path(tempfile.mkdtemp(prefix="dflash_profile_"))
-    common = ["--model-path", str(target), "--max-total-tokens", "65536"]
-    dflash_x = [*common, "--speculative-draft-model-path", str(default_draft_dir())]
-    arms = {
-        "plain": [*common, "--speculative-algorithm", "NONE"],
-        "dflash_x": dflash_x,
-        "dflash_x_fixed": [*dflash_x, "--dflash-adaptive", "off", "--dflash-suffix", "off"],
-        "dflash_x_width1": [*dflash_x, "--dflash-widths", "1"],
-    }
+    arms = arm_args(ensure_default_target(), default_draft_dir())
     chosen = args.arms.split(",") if args.arms else list(arms)
     unknown = sorted(set(chosen) - set(arms))
     if unknown:
@@ -168,8 +172,8 @@ def main() -> None:
     print(f"raw py-spy stacks in {work}", file=sys.stderr)
     report = {}
     for name in chosen:  # one server at a time: nothing else on the cores
-        arm_args = arms[name]
-        server = Server(arm_args, work / f"{name}.log", threads=args.threads)
+        launch = arms[name]
+        server = Server(launch, work / f"{name}.log", threads=args.threads)
         try:
             server.generate(PROMPT, max_new_tokens=16)
             for c in map(int, args.concurrency.split(",")):

@@ -1,0 +1,158 @@
+"""Where two arms' decode steps differ, per function, from one interleaved run.
+
+    python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
+        [--slice 8] [--rounds 6] [--out F.json]
+
+`profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
+of percent between them, so only ratios inside one arm compare. Here every arm's server is
+up at once with py-spy sampling its scheduler throughout, and the load takes turns: `slice`
+seconds of `concurrency` closed-loop requests (64 tokens, `ignore_eos`) on each arm in
+turn, `rounds` times. Drift then hits every arm alike. Per arm: output tok/s, and for every
+function of the scheduler's event-loop thread, its inclusive milliseconds per decode step
+(samples at 200 Hz x 5 ms over steps). Steps are output tokens over `concurrency`: exact
+for one token per request per step (plain decoding, DFLASH_X at width 1), a step count
+times τ otherwise. A server's idle slices show up in its polling frames only, so compare
+functions inside `Scheduler.run_batch`, not the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from profile_step import PROMPT, arm_args, scheduler_pid
+
+from dflash_sglang.managed_server import Server
+
+RATE_HZ = 200
+
+
+def function_ms(lines: list[str], steps: float) -> dict[str, float]:
+    """Inclusive ms per step of each function (`func (file)`, line numbers dropped) on the
+    event-loop thread of a py-spy `--threads --format raw` dump; a recursive function
+    counts once per sample."""
+    by_thread: dict[str, list[tuple[list[str], int]]] = {}
+    loop: Counter[str] = Counter()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        thread, _, frames = stack.partition(";")
+        by_thread.setdefault(thread, []).append((frames.split(";"), int(count)))
+        if "Scheduler.run_event_loop" in frames:
+            loop[thread] += int(count)
+    inclusive: Counter[str] = Counter()
+    for frames, n in by_thread[loop.most_common(1)[0][0]] if loop else []:
+        for name in {re.sub(r":\d+\)$", ")", f) for f in frames}:
+            inclusive[name] += n
+    return {name: n * 1000 / RATE_HZ / steps for name, n in inclusive.items()}
+
+
+def spy_command(pid: int, seconds: int, out: Path) -> list[str]:
+    """py-spy sampling every thread of `pid`, idle frames included, raw stacks to `out`."""
+    return [str(Path(sys.executable).with_name("py-spy")), "record", "--idle", "--threads",
+            "--format", "raw", "--rate", str(RATE_HZ), "--duration", str(seconds),
+            "--pid", str(pid), "--output", str(out), "--nonblocking"]  # fmt: skip
+
+
+def drive(server: Server, concurrency: int, seconds: float) -> tuple[int, float]:
+    """`concurrency` closed-loop clients for `seconds`: (output tokens, seconds taken)."""
+    stop, tokens = threading.Event(), []
+
+    def client() -> None:
+        while not stop.is_set():
+            meta = server.generate(PROMPT, max_new_tokens=64, ignore_eos=True)["meta_info"]
+            tokens.append(meta["completion_tokens"])
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    return sum(tokens), time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--arms", default="plain,dflash_x_width1")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--slice", type=float, default=8.0, help="seconds of load per turn")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    names = list(arm_args(Path(), Path()))
+    chosen = args.arms.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown or len(set(chosen)) != len(chosen) or len(chosen) < 2:
+        ap.error(f"--arms: two or more different of {', '.join(names)} (got {args.arms})")
+    if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
+        ap.error("--concurrency, --slice and --rounds must be positive")
+
+    from dflash_sglang.default_model import ensure_default_target
+    from dflash_sglang.drafters import default_draft_dir
+
+    arms = arm_args(ensure_default_target(), default_draft_dir())
+    work = Path(tempfile.mkdtemp(prefix="dflash_interleaved_"))
+    print(f"servers' logs and py-spy stacks in {work}", file=sys.stderr)
+    servers: dict[str, Server] = {}
+    try:
+        for name in chosen:
+            servers[name] = Server(arms[name], work / f"{name}.log", threads=args.threads)
+            servers[name].generate(PROMPT, max_new_tokens=16)
+        seconds = int(args.rounds * len(chosen) * args.slice + 30)
+        spies = [
+            subprocess.Popen(
+                spy_command(scheduler_pid(server), seconds, work / f"{name}.txt"),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, server in servers.items()
+        ]
+        time.sleep(3)  # py-spy attached
+        tokens, elapsed = Counter(), Counter()
+        for _ in range(args.rounds):
+            for name in chosen:
+                n, s = drive(servers[name], args.concurrency, args.slice)
+                tokens[name] += n
+                elapsed[name] += s
+        for spy in spies:
+            spy.wait()
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    report = {}
+    for name in chosen:
+        steps = tokens[name] / args.concurrency
+        lines = (work / f"{name}.txt").read_text().splitlines()
+        report[name] = {
+            "output_tok_s": tokens[name] / elapsed[name],
+            "steps": steps,
+            "ms_per_step": {  # the functions that matter, not every frame seen once
+                k: v for k, v in function_ms(lines, steps).items() if v >= 0.05
+            },
+        }
+    base, other = chosen[0], chosen[1]
+    a, b = report[base]["ms_per_step"], report[other]["ms_per_step"]
+    print("tok/s: " + ", ".join(f"{n} {report[n]['output_tok_s']:.1f}" for n in chosen))
+    print(f"{'ms/step ' + base:>14} {other:>16}  function")
+    for name in sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))[: args.top]:
+        print(f"{a.get(name, 0):14.2f} {b.get(name, 0):16.2f}  {name[:120]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
