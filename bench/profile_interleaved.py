@@ -1,7 +1,7 @@
 """Where two arms' decode steps differ, per function, from one interleaved run.
 
     python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
-        [--slice 8] [--rounds 6] [--out F.json]
+        [--slice 8] [--rounds 6] [--time-attention] [--out F.json]
 
 `profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
 of percent between them, so only ratios inside one arm compare. Here every arm's server is
@@ -13,12 +13,17 @@ function of the scheduler's event-loop thread, its inclusive milliseconds per de
 for one token per request per step (plain decoding, DFLASH_X at width 1), a step count
 times τ otherwise. A server's idle slices show up in its polling frames only, so compare
 functions inside `Scheduler.run_batch`, not the totals.
+
+`--time-attention` also times every call of our paged attention kernel inside the servers
+(`attention_timer/sitecustomize.py`): per arm, the calls at full batch, their mean and
+median microseconds and nanoseconds per key read, which py-spy's samples cannot give.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from profile_step import PROMPT, arm_args, scheduler_pid
 from dflash_sglang.managed_server import Server
 
 RATE_HZ = 200
+TIMER = Path(__file__).resolve().with_name("attention_timer")
 
 
 def function_ms(lines: list[str], steps: float) -> dict[str, float]:
@@ -52,6 +58,23 @@ def function_ms(lines: list[str], steps: float) -> dict[str, float]:
         for name in {re.sub(r":\d+\)$", ")", f) for f in frames}:
             inclusive[name] += n
     return {name: n * 1000 / RATE_HZ / steps for name, n in inclusive.items()}
+
+
+def attention_calls(lines: list[str], batch: int) -> dict[str, float]:
+    """Summary of the kernel calls over `batch` requests from `attention_timer` lines
+    (`requests keys query_rows nanoseconds`); other batch sizes (ramp-up, tails) left out."""
+    calls = [tuple(map(int, line.split())) for line in lines if line.strip()]
+    full = sorted((ns, keys) for requests, keys, _, ns in calls if requests == batch)
+    if not full:
+        return {"calls": 0}
+    total_ns = sum(ns for ns, _ in full)
+    return {
+        "calls": len(full),
+        "mean_us": total_ns / len(full) / 1e3,
+        "median_us": full[len(full) // 2][0] / 1e3,
+        "ns_per_key": total_ns / sum(keys for _, keys in full),
+        "keys_per_call": sum(keys for _, keys in full) / len(full),
+    }
 
 
 def spy_command(pid: int, seconds: int, out: Path) -> list[str]:
@@ -89,6 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
+    ap.add_argument("--time-attention", action="store_true", help="time every kernel call")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -109,7 +133,12 @@ def main() -> None:
     servers: dict[str, Server] = {}
     try:
         for name in chosen:
-            servers[name] = Server(arms[name], work / f"{name}.log", threads=args.threads)
+            env = None
+            if args.time_attention:
+                (work / name).mkdir()
+                path = os.pathsep.join(filter(None, [str(TIMER), os.environ.get("PYTHONPATH")]))
+                env = {"PYTHONPATH": path, "DFLASH_ATTENTION_TIMES": str(work / name)}
+            servers[name] = Server(arms[name], work / f"{name}.log", threads=args.threads, env=env)
             servers[name].generate(PROMPT, max_new_tokens=16)
         seconds = int(args.rounds * len(chosen) * args.slice + 30)
         spies = [
@@ -144,6 +173,12 @@ def main() -> None:
                 k: v for k, v in function_ms(lines, steps).items() if v >= 0.05
             },
         }
+        if args.time_attention:
+            timed = [
+                line for f in (work / name).glob("*.txt") for line in f.read_text().splitlines()
+            ]
+            report[name]["attention_calls"] = attention_calls(timed, args.concurrency)
+            print(f"{name}: attention kernel {report[name]['attention_calls']}")
     base, other = chosen[0], chosen[1]
     a, b = report[base]["ms_per_step"], report[other]["ms_per_step"]
     print("tok/s: " + ", ".join(f"{n} {report[n]['output_tok_s']:.1f}" for n in chosen))

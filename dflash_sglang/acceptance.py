@@ -23,6 +23,13 @@ class Acceptance:
     out_tokens: torch.Tensor  # [bs, B] int64, accepted drafts then bonus, rest padding
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`argmax(logits, -1)` through `max`: the same index (the first maximal one, as torch
+    documents for both), but torch's CPU argmax kernel is 2-4x slower (16 x 49,152 fp32
+    logits: 0.59 vs 0.19 ms; bf16: 1.29 vs 0.31 ms, 2 threads)."""
+    return logits.max(dim=-1).indices
+
+
 def accepted_prefix_len(matches: torch.Tensor) -> torch.Tensor:
     """Length of the leading run of True per row of `[bs, n]`."""
     return matches.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)

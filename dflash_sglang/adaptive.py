@@ -234,8 +234,8 @@ class _LeastSquares:
 
         A is positive definite, so the constrained optimum is the unconstrained optimum on the
         face of its active constraints: solve on every face, keep the best feasible one (the
-        face with all constrained coefficients at zero is always feasible).
-        """
+        face with all constrained coefficients at zero is always feasible), starting with the
+        unconstrained face, which ends the search when feasible (most steps)."""
         n, w = len(self._prior), self._weight
         a = [
             [g + (w[i] if i == j else 0.0) for j, g in enumerate(row)]
@@ -256,6 +256,8 @@ class _LeastSquares:
                 theta[i] = v
             if any(theta[i] < 0.0 for i in self._nonnegative):
                 continue
+            if not zeroed:  # the unconstrained optimum is feasible: no face beats it
+                return theta
             obj = _dot(theta, [_dot(row, theta) for row in a]) - 2.0 * _dot(b, theta)
             if obj < best_obj:
                 best, best_obj = theta, obj

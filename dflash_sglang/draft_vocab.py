@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_sglang.acceptance import row_argmax
+
 KEY = "draft_vocab_ids"
 
 
@@ -52,7 +54,7 @@ def head_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     20 ms vs 1.8 ms), most of a plain decoding step there (25.8 ms).
     """
     rows = hidden.reshape(-1, hidden.shape[-1])
-    return torch.nn.functional.linear(rows, weight).argmax(-1).view(hidden.shape[:-1])
+    return row_argmax(torch.nn.functional.linear(rows, weight)).view(hidden.shape[:-1])
 
 
 def prompt_extra(prompt_ids: Sequence[int], vocab_ids: torch.Tensor, cap: int) -> torch.Tensor:

@@ -555,7 +555,7 @@ class DFlashXWorker(DFlashWorkerV2):
             return self._accept_triton(candidates, logits, info)
         if info is None or info.is_all_greedy:
             if target_predict is None:
-                target_predict = torch.argmax(logits, dim=-1)
+                target_predict = acceptance.row_argmax(logits)
             predict = target_predict.view(bs, width)
             self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, predict)
             return acceptance.greedy_accept(candidates, predict)

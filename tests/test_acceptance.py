@@ -10,6 +10,19 @@ def test_block_is_anchor_then_masks():
     assert ids.tolist() == [[7, 99, 99, 99], [9, 99, 99, 99]]
 
 
+def test_row_argmax_is_argmax_ties_nan_and_inf_included():
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        # bf16 rounding of small integers makes many exact ties per row
+        logits = torch.randint(-8, 8, (64, 4096)).to(dtype)
+        logits[3, :] = float("-inf")
+        logits[5, 17] = float("nan")
+        logits[6, [9, 4000]] = float("inf")
+        assert torch.equal(acceptance.row_argmax(logits), torch.argmax(logits, dim=-1))
+    rows = torch.randn(2, 5, 300)
+    assert torch.equal(acceptance.row_argmax(rows), rows.argmax(-1))
+
+
 def test_greedy_accepts_matching_prefix_and_takes_bonus_at_first_mismatch():
     cand = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3]])
     pred = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [8, 2, 3, 4]])

@@ -29,10 +29,14 @@ def test_rows_come_back_in_order_committed_only():
     full = deferred.add(hidden, torch.arange(8), torch.arange(8) + 10, torch.tensor([1, 3]), [a, b])
     assert not full and len(deferred) == 4
     deferred.add(hidden[:2], torch.arange(2), torch.arange(2) + 20, torch.tensor([0, 1]), [a, b])
+    # width 1 with every row committed (the shortcut); the rows are copies, not views
+    step = (hidden[:2] + 100, torch.arange(2) + 30, torch.arange(2) + 40)
+    deferred.add(*step, torch.tensor([1, 1]), [a, b])
+    step[0].zero_()
     rows = deferred.take()
-    assert rows[0].view(-1).tolist() == [0.0, 4.0, 5.0, 6.0, 1.0]
-    assert rows[1].tolist() == [0, 4, 5, 6, 1]
-    assert rows[2].tolist() == [10, 14, 15, 16, 21]
+    assert rows[0].view(-1).tolist() == [0.0, 4.0, 5.0, 6.0, 1.0, 100.0, 101.0]
+    assert rows[1].tolist() == [0, 4, 5, 6, 1, 30, 31]
+    assert rows[2].tolist() == [10, 14, 15, 16, 21, 40, 41]
     assert len(deferred) == 0 and deferred.take() is None
 
 

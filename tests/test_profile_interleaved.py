@@ -3,6 +3,7 @@ its argument checks (before any server starts)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,11 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def _function_ms():
+def _module():
     sys.path.insert(0, str(BENCH))
-    from profile_interleaved import function_ms
+    import profile_interleaved
 
-    return function_ms
+    return profile_interleaved
 
 
 def test_function_ms_counts_the_event_loop_thread_inclusively_per_step():
@@ -30,12 +31,55 @@ def test_function_ms_counts_the_event_loop_thread_inclusively_per_step():
         # another thread's samples stay out
         "Thread 2 (idle);Worker.loop (w.py:5);ModelRunner.forward (model_runner.py:30) 99",
     ]
-    ms = _function_ms()(lines, steps=4)
+    ms = _module().function_ms(lines, steps=4)
     # 200 Hz: 5 ms a sample
     assert ms["Scheduler.run_batch (scheduler.py)"] == pytest.approx(40 * 5 / 4)
     assert ms["ModelRunner.forward (model_runner.py)"] == pytest.approx(40 * 5 / 4)
     assert ms["f (m.py)"] == pytest.approx(20 * 5 / 4)
     assert "Worker.loop (w.py)" not in ms
+
+
+def test_attention_calls_summarise_full_batch_calls_only():
+    lines = [
+        "16 1600 16 160000",  # 160 us over 1,600 keys
+        "16 800 16 120000",
+        "16 800 16 80000",
+        "3 90 3 5000",  # a ramp-up batch: left out
+        "",
+    ]
+    summary = _module().attention_calls(lines, batch=16)
+    assert summary["calls"] == 3
+    assert summary["mean_us"] == pytest.approx(120.0)
+    assert summary["median_us"] == pytest.approx(120.0)
+    assert summary["ns_per_key"] == pytest.approx(360000 / 3200)
+    assert summary["keys_per_call"] == pytest.approx(3200 / 3)
+    assert _module().attention_calls(lines, batch=8) == {"calls": 0}
+
+
+def test_the_attention_timer_wraps_the_kernel_and_writes_its_calls(tmp_path):
+    """The timer as the servers load it: a fresh interpreter with it on PYTHONPATH."""
+    script = (
+        "import torch\n"
+        "from dflash_sglang.kernels import cpu_attention as m\n"
+        "if not m.available():\n"
+        "    raise SystemExit(3)\n"
+        "q = torch.randn(2, 4, 64)\n"
+        "k = torch.randn(10, 2, 64)\n"
+        "slots = torch.arange(10).view(2, 5)\n"
+        "lens = torch.tensor([5, 4])\n"
+        "ones = torch.ones(2, dtype=torch.long)\n"
+        "starts = torch.arange(2)\n"
+        "m.paged_attention(q, k, k, slots, lens, ones, starts, True, 0.125)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(BENCH / "attention_timer"),
+           "DFLASH_ATTENTION_TIMES": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    if done.returncode == 3:
+        pytest.skip("the C++ kernel cannot be built here")
+    assert done.returncode == 0, done.stderr
+    (written,) = tmp_path.glob("*.txt")
+    requests, keys, rows, ns = map(int, written.read_text().split())
+    assert (requests, keys, rows) == (2, 9, 2) and ns > 0
 
 
 @pytest.mark.parametrize(
