@@ -1,7 +1,7 @@
 """Where two arms' decode steps differ, per function, from one interleaved run.
 
     python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
-        [--slice 8] [--rounds 6] [--time-attention] [--out F.json]
+        [--slice 8] [--rounds 6] [--time-calls] [--out F.json]
 
 `profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
 of percent between them, so only ratios inside one arm compare. Here every arm's server is
@@ -14,9 +14,11 @@ for one token per request per step (plain decoding, DFLASH_X at width 1), a step
 times τ otherwise. A server's idle slices show up in its polling frames only, so compare
 functions inside `Scheduler.run_batch`, not the totals.
 
-`--time-attention` also times every call of our paged attention kernel inside the servers
-(`attention_timer/sitecustomize.py`): per arm, the calls at full batch, their mean and
-median microseconds and nanoseconds per key read, which py-spy's samples cannot give.
+`--time-calls` also times every call of our paged attention kernel and of the compiled
+target and draft forwards inside the servers (`call_timer/sitecustomize.py`): per arm and
+label, the calls at full batch, their mean and median microseconds and nanoseconds per
+key, which py-spy's samples cannot give (at this grain they move by ±1 ms per function
+per step between arms that take turns).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from profile_step import PROMPT, arm_args, scheduler_pid
 from dflash_sglang.managed_server import Server
 
 RATE_HZ = 200
-TIMER = Path(__file__).resolve().with_name("attention_timer")
+TIMER = Path(__file__).resolve().with_name("call_timer")
 
 
 def function_ms(lines: list[str], steps: float) -> dict[str, float]:
@@ -60,21 +62,28 @@ def function_ms(lines: list[str], steps: float) -> dict[str, float]:
     return {name: n * 1000 / RATE_HZ / steps for name, n in inclusive.items()}
 
 
-def attention_calls(lines: list[str], batch: int) -> dict[str, float]:
-    """Summary of the kernel calls over `batch` requests from `attention_timer` lines
-    (`requests keys query_rows nanoseconds`); other batch sizes (ramp-up, tails) left out."""
-    calls = [tuple(map(int, line.split())) for line in lines if line.strip()]
-    full = sorted((ns, keys) for requests, keys, _, ns in calls if requests == batch)
-    if not full:
-        return {"calls": 0}
-    total_ns = sum(ns for ns, _ in full)
-    return {
-        "calls": len(full),
-        "mean_us": total_ns / len(full) / 1e3,
-        "median_us": full[len(full) // 2][0] / 1e3,
-        "ns_per_key": total_ns / sum(keys for _, keys in full),
-        "keys_per_call": sum(keys for _, keys in full) / len(full),
-    }
+def timed_calls(lines: list[str], batch: int) -> dict[str, dict[str, float]]:
+    """Per label, a summary of the calls over `batch` requests from `call_timer` lines
+    (`label requests keys rows nanoseconds`); other batch sizes (ramp-up, tails, prefills
+    of a few requests) are left out."""
+    by_label: dict[str, list[tuple[int, int]]] = {}
+    for line in lines:
+        if line.strip():
+            label, requests, keys, _, ns = line.split()
+            if int(requests) == batch:
+                by_label.setdefault(label, []).append((int(ns), int(keys)))
+    summary = {}
+    for label, calls in sorted(by_label.items()):
+        calls.sort()
+        total_ns, total_keys = sum(ns for ns, _ in calls), sum(keys for _, keys in calls)
+        summary[label] = {
+            "calls": len(calls),
+            "mean_us": total_ns / len(calls) / 1e3,
+            "median_us": calls[len(calls) // 2][0] / 1e3,
+            "ns_per_key": total_ns / max(total_keys, 1),
+            "keys_per_call": total_keys / len(calls),
+        }
+    return summary
 
 
 def spy_command(pid: int, seconds: int, out: Path) -> list[str]:
@@ -112,7 +121,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
-    ap.add_argument("--time-attention", action="store_true", help="time every kernel call")
+    ap.add_argument("--time-calls", action="store_true", help="time kernel and forward calls")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -134,10 +143,10 @@ def main() -> None:
     try:
         for name in chosen:
             env = None
-            if args.time_attention:
+            if args.time_calls:
                 (work / name).mkdir()
                 path = os.pathsep.join(filter(None, [str(TIMER), os.environ.get("PYTHONPATH")]))
-                env = {"PYTHONPATH": path, "DFLASH_ATTENTION_TIMES": str(work / name)}
+                env = {"PYTHONPATH": path, "DFLASH_CALL_TIMES": str(work / name)}
             servers[name] = Server(arms[name], work / f"{name}.log", threads=args.threads, env=env)
             servers[name].generate(PROMPT, max_new_tokens=16)
         seconds = int(args.rounds * len(chosen) * args.slice + 30)
@@ -173,12 +182,13 @@ def main() -> None:
                 k: v for k, v in function_ms(lines, steps).items() if v >= 0.05
             },
         }
-        if args.time_attention:
+        if args.time_calls:
             timed = [
                 line for f in (work / name).glob("*.txt") for line in f.read_text().splitlines()
             ]
-            report[name]["attention_calls"] = attention_calls(timed, args.concurrency)
-            print(f"{name}: attention kernel {report[name]['attention_calls']}")
+            report[name]["timed_calls"] = timed_calls(timed, args.concurrency)
+            for label, calls in report[name]["timed_calls"].items():
+                print(f"{name} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in calls.items()))
     base, other = chosen[0], chosen[1]
     a, b = report[base]["ms_per_step"], report[other]["ms_per_step"]
     print("tok/s: " + ", ".join(f"{n} {report[n]['output_tok_s']:.1f}" for n in chosen))

@@ -39,27 +39,32 @@ def test_function_ms_counts_the_event_loop_thread_inclusively_per_step():
     assert "Worker.loop (w.py)" not in ms
 
 
-def test_attention_calls_summarise_full_batch_calls_only():
+def test_timed_calls_summarise_full_batch_calls_per_label():
     lines = [
-        "16 1600 16 160000",  # 160 us over 1,600 keys
-        "16 800 16 120000",
-        "16 800 16 80000",
-        "3 90 3 5000",  # a ramp-up batch: left out
+        "attention 16 1600 16 160000",  # 160 us over 1,600 keys
+        "attention 16 800 16 120000",
+        "attention 16 800 16 80000",
+        "attention 3 90 3 5000",  # a ramp-up batch: left out
+        "CompiledBody 16 700 16 30000000",
         "",
     ]
-    summary = _module().attention_calls(lines, batch=16)
-    assert summary["calls"] == 3
-    assert summary["mean_us"] == pytest.approx(120.0)
-    assert summary["median_us"] == pytest.approx(120.0)
-    assert summary["ns_per_key"] == pytest.approx(360000 / 3200)
-    assert summary["keys_per_call"] == pytest.approx(3200 / 3)
-    assert _module().attention_calls(lines, batch=8) == {"calls": 0}
+    summary = _module().timed_calls(lines, batch=16)
+    attention = summary["attention"]
+    assert attention["calls"] == 3
+    assert attention["mean_us"] == pytest.approx(120.0)
+    assert attention["median_us"] == pytest.approx(120.0)
+    assert attention["ns_per_key"] == pytest.approx(360000 / 3200)
+    assert attention["keys_per_call"] == pytest.approx(3200 / 3)
+    assert summary["CompiledBody"]["mean_us"] == pytest.approx(30000.0)
+    assert _module().timed_calls(lines, batch=8) == {}
 
 
-def test_the_attention_timer_wraps_the_kernel_and_writes_its_calls(tmp_path):
-    """The timer as the servers load it: a fresh interpreter with it on PYTHONPATH."""
+def test_the_call_timer_wraps_the_kernel_when_imported_and_writes_its_calls(tmp_path):
+    """The timer as the servers load it: a fresh interpreter with it on PYTHONPATH; the
+    kernel's module is imported after start-up, as in a server."""
     script = (
-        "import torch\n"
+        "import sys, torch\n"
+        "assert 'dflash_sglang.kernels.cpu_attention' not in sys.modules\n"
         "from dflash_sglang.kernels import cpu_attention as m\n"
         "if not m.available():\n"
         "    raise SystemExit(3)\n"
@@ -69,17 +74,19 @@ def test_the_attention_timer_wraps_the_kernel_and_writes_its_calls(tmp_path):
         "lens = torch.tensor([5, 4])\n"
         "ones = torch.ones(2, dtype=torch.long)\n"
         "starts = torch.arange(2)\n"
-        "m.paged_attention(q, k, k, slots, lens, ones, starts, True, 0.125)\n"
+        "out = m.paged_attention(q, k, k, slots, lens, ones, starts, True, 0.125)\n"
+        "ref = m.torch_paged_attention(q, k, k, slots, lens, ones, starts, True, 0.125)\n"
+        "assert torch.allclose(out, ref, atol=1e-4)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(BENCH / "attention_timer"),
-           "DFLASH_ATTENTION_TIMES": str(tmp_path)}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(BENCH / "call_timer"),
+           "DFLASH_CALL_TIMES": str(tmp_path)}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     if done.returncode == 3:
         pytest.skip("the C++ kernel cannot be built here")
     assert done.returncode == 0, done.stderr
     (written,) = tmp_path.glob("*.txt")
-    requests, keys, rows, ns = map(int, written.read_text().split())
-    assert (requests, keys, rows) == (2, 9, 2) and ns > 0
+    label, requests, keys, rows, ns = written.read_text().split()
+    assert (label, requests, keys, rows) == ("attention", "2", "9", "2") and int(ns) > 0
 
 
 @pytest.mark.parametrize(

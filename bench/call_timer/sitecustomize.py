@@ -1,0 +1,92 @@
+"""Times, inside a server's processes, every call of our paged attention kernel and of the
+compiled target/draft forwards.
+
+`profile_interleaved.py --time-calls` puts this directory first on the servers'
+PYTHONPATH, so Python imports it at start-up in each of their processes. It wraps the two
+when their modules are first imported (not before: importing SGLang early would run ahead
+of the launcher's platform setup), through the attributes their callers look up. Each
+process appends `label requests keys rows nanoseconds` lines to
+`$DFLASH_CALL_TIMES/<pid>.txt` every 1,000 calls (label: `attention`, `CompiledBody`,
+`CompiledDraft`; keys: key positions the attention call read, or the batch's total length
+for a forward).
+"""
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+DIRECTORY = os.environ.get("DFLASH_CALL_TIMES")
+_lines: list[str] = []
+
+
+def _flush() -> None:
+    if _lines:
+        with open(os.path.join(DIRECTORY, f"{os.getpid()}.txt"), "a") as f:
+            f.writelines(_lines)
+        _lines.clear()
+
+
+def _record(label: str, requests: int, keys: int, rows: int, ns: int) -> None:
+    _lines.append(f"{label} {requests} {keys} {rows} {ns}\n")
+    if len(_lines) >= 1000:
+        _flush()
+
+
+def _time_kernel(module) -> None:
+    kernel = module.paged_attention
+
+    def timed(q, k_buffer, v_buffer, slot_table, kv_lens, *args, **kwargs):
+        start = time.perf_counter_ns()
+        out = kernel(q, k_buffer, v_buffer, slot_table, kv_lens, *args, **kwargs)
+        ns = time.perf_counter_ns() - start
+        _record("attention", kv_lens.numel(), int(kv_lens.sum()), q.shape[0], ns)
+        return out
+
+    module.paged_attention = timed
+
+
+def _time_forwards(module) -> None:
+    forward = module.CompiledForward.run_fast
+
+    def timed(self, inputs, positions, forward_batch):
+        start = time.perf_counter_ns()
+        out = forward(self, inputs, positions, forward_batch)
+        ns = time.perf_counter_ns() - start
+        keys = int(forward_batch.seq_lens_sum or 0)
+        _record(type(self).__name__, forward_batch.batch_size, keys, inputs.shape[0], ns)
+        return out
+
+    module.CompiledForward.run_fast = timed
+
+
+PATCHES = {
+    "dflash_sglang.kernels.cpu_attention": _time_kernel,
+    "dflash_sglang.cpu_platform.compiled": _time_forwards,
+}
+
+
+class _Patcher(importlib.abc.MetaPathFinder):
+    """Finds the patched modules with the normal path finder, then patches them once
+    their code has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                PATCHES[name](module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if DIRECTORY:
+    sys.meta_path.insert(0, _Patcher())
+    atexit.register(_flush)
