@@ -258,11 +258,8 @@ class DeferredRows:
         """Hold the committed rows of a step over `reqs`: arguments as `inject_stacked`'s
         (`[bs*w]` rows in bs blocks, the first `commit_lens[i]` of block i committed).
         True when `max_rows` or more are held."""
-        n = slots.numel()
-        if n == commit_lens.numel() and bool(commit_lens.min() > 0):  # width 1, all committed
-            self._rows.append((target_hidden[:n].clone(), positions.clone(), slots.clone()))
-            self._count += n
-        elif (rows := committed_rows(commit_lens, n // max(commit_lens.numel(), 1))).numel():
+        rows = committed_rows(commit_lens, slots.numel() // max(commit_lens.numel(), 1))
+        if rows.numel():
             self._rows.append((target_hidden[rows], positions[rows], slots[rows]))
             self._count += rows.numel()
         self._reqs = tuple(reqs)
