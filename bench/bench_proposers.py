@@ -62,7 +62,7 @@ ARMS = {
     # DFlash block at a fixed narrow width: what a step that drafts costs against its gain.
     "width2": ["--dflash-widths", "2", "--dflash-suffix", "off"],
     "width4": ["--dflash-widths", "4", "--dflash-suffix", "off"],
-    # The target's decode/verify forward as SGLang runs it, uncompiled (before/after).
+    # The target's forward as SGLang runs it, uncompiled (before/after).
     "ar_eager": ["--speculative-algorithm", "NONE", "--dflash-cpu-compile", "off"],
     "dx_eager": [*WARM, "--dflash-cpu-compile", "off"],
     # The drafter's block forward eager, the target's compiled (before/after for the draft).
@@ -108,14 +108,15 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(prompt, add_special_tokens=False).input_ids
 
 
-def run(server: Server, prompts: list[list[int]], concurrency: int, max_new: int) -> dict:
-    """Output tokens and seconds over `prompts` at `concurrency`, and the counter deltas."""
+def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: dict) -> dict:
+    """Output tokens and seconds over `prompts` at `concurrency`, and the counter deltas;
+    `sampling`: the request's `max_new_tokens` and `ignore_eos`."""
     before = server_metrics.scrape(server.url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         metas = list(
             pool.map(
-                lambda ids: server.generate(input_ids=ids, max_new_tokens=max_new)["meta_info"],
+                lambda ids: server.generate(input_ids=ids, **sampling)["meta_info"],
                 prompts,
             )
         )
@@ -128,7 +129,7 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, max_new: int
     }
 
 
-def interleaved(servers: dict[str, Server], prompts: list, c: int, max_new: int, rounds: int):
+def interleaved(servers: dict[str, Server], prompts: list, c: int, sampling: dict, rounds: int):
     """Each arm's totals over `rounds` slices of `prompts`; the arms take turns per slice, in
     an order rotated every slice, so slow and fast moments of the machine hit all alike."""
     totals = {arm: {"tokens": 0, "seconds": 0.0, "deltas": {}} for arm in servers}
@@ -136,7 +137,7 @@ def interleaved(servers: dict[str, Server], prompts: list, c: int, max_new: int,
     for i in range(rounds):
         part = prompts[i::rounds]
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
-            got = run(servers[arm], part, c, max_new)
+            got = run(servers[arm], part, c, sampling)
             total = totals[arm]
             total["tokens"] += got["tokens"]
             total["seconds"] += got["seconds"]
@@ -192,6 +193,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set at concurrency 1")
     ap.add_argument("--rounds", type=int, default=2, help="slices the arms take turns on")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every reply runs to --max-new-tokens: all arms decode the same number of "
+        "tokens and batches shrink only when the slice ends, not as replies finish",
+    )
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
     ap.add_argument(
@@ -285,12 +292,13 @@ def main() -> None:
             servers[arm] = Server([*common, *flags], work / f"{arm}.log", args.threads, env=env)
         warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
         for server in servers.values():  # unmeasured
-            run(server, [warm_up], 1, 16)
+            run(server, [warm_up], 1, {"max_new_tokens": 16})
+        sampling = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
         offset = 0
         for c in levels:
             for name, prompts in sets.items():
                 batch = [prompts[(offset + i) % len(prompts)] for i in range(args.prompts * c)]
-                by_arm = interleaved(servers, batch, c, args.max_new_tokens, args.rounds)
+                by_arm = interleaved(servers, batch, c, sampling, args.rounds)
                 for arm, totals in by_arm.items():
                     results.append({"concurrency": c, "set": name, "arm": arm} | totals)
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)

@@ -102,6 +102,9 @@ def vllm_process(models: Models, dtype: str, speculative: bool, log: Path) -> Ma
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", models.target]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
     cmd += ["--served-model-name", "target", "--gpu-memory-utilization", "0.1"]
+    # vLLM refuses to start unless one request of max_model_len fits its KV memory; 8,192
+    # (the target's) did not in fp32 on a 24-GB machine, and no request here needs more.
+    cmd += ["--max-model-len", "4096"]
     if speculative:
         config = {"method": "dflash", "model": models.draft_full, "num_speculative_tokens": 15}
         cmd += ["--speculative-config", json.dumps(config)]

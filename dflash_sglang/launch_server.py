@@ -3,7 +3,7 @@
 Every SGLang server argument passes through unchanged. Added defaults (each only when the
 flag is absent): `--speculative-algorithm DFLASH_X` (when a draft is given), `--enable-metrics`,
 `--host 127.0.0.1`, `--device` from the machine, the platform's attention backend, and on
-CPU the target's decode/verify forward compiled (`--dflash-cpu-compile`), `--sleep-on-idle`
+CPU the target's decode/verify/prefill forward compiled (`--dflash-cpu-compile`), `--sleep-on-idle`
 and `--max-total-tokens` sized for 8 full contexts of target + draft KV
 within 25% of host RAM (SGLang's own CPU default takes ~70% of RAM; `--mem-fraction-static`
 or `--max-total-tokens` given explicitly wins).
@@ -65,7 +65,7 @@ def our_parser() -> argparse.ArgumentParser:
         "--dflash-cpu-compile",
         choices=("on", "target", "off"),
         default="on",
-        help="CPU: run the target's decode and verify forwards and the DFlash drafter's "
+        help="CPU: run the target's decode, verify and prefill forwards and the DFlash drafter's "
         "block forward compiled by torch.compile (target: the target's only; Llama-"
         "architecture targets, SGLang's DFlashDraftModel, one rank; compiled during "
         "start-up; default: on)",

@@ -300,12 +300,13 @@ def test_suffix_proposals_keep_sampling_valid(variants):
         assert all(0 <= t < 512 for t in out["output_ids"])
 
 
-COMPILED = "Target decode/verify forward: compiled"
+COMPILED = "Target forward: compiled"
 
 
 def test_the_compiled_target_forward_computes_what_sglangs_does(servers, sglang_forward):
-    """On CPU the target's decode and verify run our compiled decoder stack by default (both
-    servers above); in float32 it gives SGLang's own forward's tokens, alone and batched."""
+    """On CPU the target's decode, verify and prefill run our compiled decoder stack by default
+    (both servers above); in float32 it gives SGLang's own forward's tokens, alone and
+    batched."""
     ar, dx = servers
     assert COMPILED in ar.log_path.read_text() and COMPILED in dx.log_path.read_text()
     assert "weights prepacked" in ar.log_path.read_text()  # --dflash-cpu-freeze on

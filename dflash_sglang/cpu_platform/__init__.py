@@ -8,8 +8,8 @@ Active only on CPU. Pieces:
 - `triton_fallbacks`: torch versions of the Triton kernels the DFlash path calls, so no
   Triton interpreter runs on the serving hot path.
 - `upstream_dflash`: SGLang's own `--speculative-algorithm DFLASH` on CPU, for comparison.
-- `compiled`: the target's decode/verify forwards and the drafter's block forward through
-  torch.compile.
+- `compiled`: the target's decode/verify/prefill forwards and the drafter's block forward
+  through torch.compile.
 """
 
 from __future__ import annotations
