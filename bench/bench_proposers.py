@@ -58,6 +58,8 @@ ARMS = {
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
+    # Plain decoding with prompt chunks mixed into decode batches (as vLLM v1 schedules).
+    "ar_mixed": ["--speculative-algorithm", "NONE", "--enable-mixed-chunk"],
     "width1": ARMS_WIDTH1,
     # DFlash block at a fixed narrow width: what a step that drafts costs against its gain.
     "width2": ["--dflash-widths", "2", "--dflash-suffix", "off"],
