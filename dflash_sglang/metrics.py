@@ -6,7 +6,9 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
   dflash_num_drafts_total{source}                  request-steps that verified a proposal
                                                    (source "dflash": the drafter's block;
                                                    "suffix": a lookup in the request's own
-                                                   text; "shared": in recent requests' outputs)
+                                                   text; "shared": in recent requests' outputs;
+                                                   "tree": the block and a lookup's proposal
+                                                   verified as two branches of one tree)
   dflash_num_draft_tokens_total{source}            proposed tokens offered for verification
   dflash_num_accepted_tokens_total{source}         proposed tokens the target accepted
   dflash_num_accepted_tokens_per_pos_total{position="k"}  accepted at draft slot k (0-based)

@@ -39,6 +39,7 @@ class SpecOptions:
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
     defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
     prompt_vocab: int = DEFAULT_PROMPT_VOCAB  # prompt tokens joining a restricted vocab; 0: off
+    tree: str = "on"  # two-branch trees (DFlash + suffix): "on", "off", "always" (comparisons)
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
         """Verify widths the controller may pick; fixed width = the block alone."""
@@ -80,6 +81,7 @@ class SpecOptions:
             ENV_PREFIX + "KERNELS": self.kernels,
             ENV_PREFIX + "DEFER_ROWS": str(self.defer_rows),
             ENV_PREFIX + "PROMPT_VOCAB": str(self.prompt_vocab),
+            ENV_PREFIX + "TREE": self.tree,
         }
 
     @classmethod
@@ -102,6 +104,7 @@ class SpecOptions:
             kernels=get("KERNELS") or default.kernels,
             defer_rows=int(get("DEFER_ROWS") or default.defer_rows),
             prompt_vocab=int(get("PROMPT_VOCAB") or default.prompt_vocab),
+            tree=get("TREE") or default.tree,
         )
 
 
@@ -284,6 +287,16 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         f"default {DEFAULT_PROMPT_VOCAB}; 0: the checkpoint's vocabulary alone)",
     )
 
+    group.add_argument(
+        "--dflash-tree",
+        choices=("on", "off", "always"),
+        default="on",
+        help="when a request has both a DFlash block and a suffix proposal, the planner may "
+        "verify both as two branches of one tree and keep the one the target follows "
+        "further (default on; always: every such request on drafting steps, for "
+        "comparisons; CPU only for now, ignored on GPU)",
+    )
+
 
 def from_cli(ns: argparse.Namespace) -> SpecOptions:
     shared = _shared_tokens(ns.dflash_suffix_shared, ns.dflash_suffix)
@@ -301,4 +314,5 @@ def from_cli(ns: argparse.Namespace) -> SpecOptions:
         kernels=ns.dflash_kernels,
         defer_rows=ns.dflash_defer_injection,
         prompt_vocab=ns.dflash_prompt_vocab,
+        tree=ns.dflash_tree,
     )

@@ -125,6 +125,9 @@ class Platform:
     # Steps that do not draft may defer KV injection (`kv_injection.DeferredRows`): on CPU
     # an injection costs nearly the same for one row as for many; on GPU it is one kernel.
     defer_injection: bool = False
+    # Two-branch tree verify (`tree.py`): our CPU attention backend takes the tree's mask;
+    # on GPU the verify graphs and FlashInfer's custom-mask path are not wired for it yet.
+    tree_verify: bool = False
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -137,6 +140,7 @@ CPU = Platform(
     sleep_on_idle=True,
     prepare_draft_model=_cpu_draft_model,
     defer_injection=True,
+    tree_verify=True,
 )
 CUDA = Platform(
     name="cuda",

@@ -24,6 +24,14 @@ where src(p) is own text or shared, m_p and L_p the match length and length of p
 A request may bring both lookups' proposals: which one it takes is learned, not fixed by
 match length (a large shared index matches long but predicts worse than a request's own
 text; measured in README).
+
+With trees enabled (`tree.py`), a drafting option may also verify, for a request with a
+suffix proposal p, the first a DFlash tokens and p's first w-1-a tokens as two branches;
+the target follows whichever it agrees with further, so with D_k = S_dflash[k-1] (k <= a)
+and P_k = S_src(p)[k-1] (k <= min(w-1-a, L_p)), taking the branches as independent:
+  E_r(tree) = 1 + sum_k [1 - (1 - D_k)(1 - P_k)] = 1 + sum D_k + sum P_k - sum D_k P_k.
+Each branch's acceptance is observed on its own (the walk shows how far each agreed), so
+the statistics stay per source.
 """
 
 from __future__ import annotations
@@ -39,7 +47,12 @@ from dflash_sglang.suffix import SuffixProposal
 DFLASH = "dflash"
 SUFFIX = "suffix"  # lookup over the request's own prompt and output
 SHARED = "shared"  # lookup over other requests' outputs
-SOURCES = (DFLASH, SUFFIX, SHARED)
+TREE = "tree"  # the DFlash block and a suffix proposal as two branches of one tree
+SOURCES = (DFLASH, SUFFIX, SHARED, TREE)
+TREE_DFLASH_LENS = (1, 3)  # DFlash branch lengths a tree option may take
+# A tree request's branches as the walk saw them: (DFlash accepted, DFlash offered,
+# suffix accepted, suffix offered); None for a request verified as a chain.
+Branches: TypeAlias = tuple[int, int, int, int] | None
 # A request's suffix proposals: none, one, or one per lookup (own text, shared).
 Candidates: TypeAlias = SuffixProposal | tuple[SuffixProposal, ...] | None
 
@@ -58,11 +71,14 @@ class StepPlan:
     predicted_seconds: float
     explored: bool = False  # chosen to measure, not because it scored best
     proposals: tuple[tuple[SuffixProposal, ...], ...] = ()  # every request's, taken or not
+    tree_dflash: int = 0  # DFlash branch length of tree requests (0: a chain step)
+    trees: tuple[bool, ...] = ()  # per request: verified as a tree (its suffix proposal beside)
 
-    def choice(self) -> tuple[int, bool, tuple[int, ...]]:
+    def choice(self) -> tuple[int, bool, tuple[int, ...], int, tuple[bool, ...]]:
         """What differs between ranks' planners: (width, run_draft, per request the index of
-        the suffix proposal it takes among its candidates, -1 for none)."""
-        return self.width, self.run_draft, self._taken()
+        the suffix proposal it takes among its candidates, -1 for none, the tree's DFlash
+        branch length and which requests it covers)."""
+        return self.width, self.run_draft, self._taken(), self.tree_dflash, self.trees
 
     def _taken(self) -> tuple[int, ...]:
         return tuple(
@@ -70,38 +86,53 @@ class StepPlan:
             for p, cands in zip(self.suffix, self.proposals, strict=True)
         )
 
-    def with_choice(self, choice: tuple[int, bool, tuple[int, ...]]) -> StepPlan:
+    def with_choice(
+        self, choice: tuple[int, bool, tuple[int, ...], int, tuple[bool, ...]]
+    ) -> StepPlan:
         """This plan with another rank's choice (its proposals are the same on every rank)."""
-        width, run_draft, taken = choice
+        width, run_draft, taken, tree_dflash, trees = choice
         if taken == self._taken():
             suffix = self.suffix
         else:  # the other rank chose per request with its own statistics: same proposals
             suffix = tuple(
                 cands[i] if i >= 0 else None for i, cands in zip(taken, self.proposals, strict=True)
             )
-        return replace(self, width=width, run_draft=run_draft, suffix=suffix)
+        return replace(
+            self,
+            width=width,
+            run_draft=run_draft,
+            suffix=suffix,
+            tree_dflash=tree_dflash,
+            trees=trees,
+        )
+
+    def is_tree(self, r: int) -> bool:
+        return bool(self.trees) and self.trees[r]
 
     def source(self, r: int) -> str | None:
         """What request r verifies this step; None when nothing is (width 1, or no suffix
         proposal on a step without the drafter: its slots hold padding)."""
         if self.width == 1:
             return None
+        if self.is_tree(r):
+            return TREE
         if self.suffix[r] is not None:
             return SHARED if self.suffix[r].shared else SUFFIX
         return DFLASH if self.run_draft else None
 
     def offered(self, r: int) -> int:
-        """Proposal tokens of request r the target verifies."""
+        """Proposal tokens of request r the target verifies (a tree's rows)."""
         source = self.source(r)
         if source in (SUFFIX, SHARED):
             return min(self.width - 1, len(self.suffix[r].tokens))
-        return self.width - 1 if source == DFLASH else 0
+        return self.width - 1 if source in (DFLASH, TREE) else 0
 
 
 @dataclass(frozen=True)
 class _Option:
     width: int
     run_draft: bool
+    tree_dflash: int = 0  # > 0: requests with a suffix proposal may verify both as a tree
 
 
 class Planner:
@@ -117,6 +148,7 @@ class Planner:
         explore_every: int = 50,
         prefer_suffix: bool = False,
         explore_budget: float = 0.01,
+        tree: str = "off",
     ) -> None:
         if not widths or min(widths) < 1 or max(widths) > block_size:
             raise ValueError(f"widths must lie in [1, {block_size}], got {list(widths)}")
@@ -131,6 +163,11 @@ class Planner:
         self.explore_budget = explore_budget  # share of step time exploration may add
         self._credit = 0.0  # seconds of exploration the budget has earned and not spent
         self.prefer_suffix = prefer_suffix  # take any suffix proposal (`--dflash-suffix always`)
+        if tree not in ("on", "off", "always"):
+            raise ValueError(f"tree must be on, off or always, got {tree!r}")
+        # Two-branch tree options (`tree.py`); "always": a request with a suffix proposal
+        # takes a tree on every drafting step (comparisons, tests).
+        self.tree = tree if not prefer_suffix else "off"
         self._current = _Option(self.widths[-1], self.widths[-1] > 1)
         self._picks = 0
         self._explore_turns = 0
@@ -140,33 +177,49 @@ class Planner:
         opts = [_Option(w, w > 1) for w in self.widths]
         if any_suffix:  # suffix proposals alone, no drafter pass
             opts += [_Option(w, False) for w in self.widths if w > 1]
+        if any_suffix and self.tree != "off":
+            trees = [
+                _Option(w, True, a) for w in self.widths for a in TREE_DFLASH_LENS if a < w - 1
+            ]
+            opts = trees if self.tree == "always" and trees else opts + trees
         return opts
 
     def plan(self, proposals: Sequence[Candidates]) -> StepPlan:
         """`proposals[r]`: request r's suffix proposals (`Candidates`)."""
         proposals = [candidates(p) for p in proposals]
         bs = len(proposals)
-        gain_dflash = [0.0, *accumulate(self.dflash.survival())]  # gain[n] = sum S[:n]
-        gains = {
-            shared: [[0.0, *accumulate(s.survival())] for s in stats]
-            for shared, stats in ((False, self.suffix), (True, self.shared))
-        }
-        suffix_gain = [
-            [(gains[p.shared][p.match_len - 1], len(p.tokens), p) for p in cands]
-            for cands in proposals
-        ]
+        survival_dflash = self.dflash.survival()
+        gain_dflash = [0.0, *accumulate(survival_dflash)]  # gain[n] = sum S[:n]
+        curves: dict[int, tuple[list[float], list[float]]] = {}  # id(stats) -> (gain, both)
 
-        def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None]:
-            """(E_r(w) - 1, the suffix proposal taken or None); ties go to the earlier
-            candidate (own text before shared) and to the drafter."""
+        def curve(p: SuffixProposal) -> tuple[list[float], list[float]]:
+            """p's source's gain[n] and the prefix sums of S_dflash * S_src (a tree's overlap)."""
+            stats = self.suffix_stats(p)
+            if id(stats) not in curves:
+                survival = stats.survival()
+                both = (d * q for d, q in zip(survival_dflash, survival, strict=True))
+                curves[id(stats)] = ([0.0, *accumulate(survival)], [0.0, *accumulate(both)])
+            return curves[id(stats)]
+
+        def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None, bool]:
+            """(E_r - 1, the suffix proposal taken or None, verified as a tree); ties go to
+            the earlier candidate (own text before shared), then to the drafter's chain."""
             n = opt.width - 1
             dflash = gain_dflash[n] if opt.run_draft else 0.0
-            scored = [(gain[min(n, length)], p) for gain, length, p in suffix_gain[r]]
+            best, taken, tree = dflash, None, False
+            scored = [(curve(p)[0][min(n, len(p.tokens))], p) for p in proposals[r]]
             if scored:
-                best, taken = max(scored, key=lambda s: s[0])  # the first of equals
-                if self.prefer_suffix or best > dflash:
-                    return best, taken
-            return dflash, None
+                chain, p = max(scored, key=lambda s: s[0])  # the first of equals
+                if self.prefer_suffix or chain > best:
+                    best, taken = chain, p
+            a = opt.tree_dflash
+            for p in proposals[r] if a else ():
+                gain, both = curve(p)
+                m = min(n - a, len(p.tokens))
+                value = gain_dflash[a] + gain[m] - both[min(a, m)]
+                if value > best or (self.tree == "always" and not tree):
+                    best, taken, tree = value, p, True
+            return best, taken, tree
 
         def seconds(opt: _Option) -> float:
             drafted = bs * self.block_size if opt.run_draft else 0
@@ -177,14 +230,19 @@ class Planner:
 
         options = self.options(any(proposals))
         chosen, explored = self._choose({opt: score(opt) for opt in options}, seconds)
-        taken = tuple(expected(chosen, r)[1] for r in range(bs))
+        picks = [expected(chosen, r) for r in range(bs)]
+        taken = tuple(p for _, p, _ in picks)
+        trees = tuple(tree for _, _, tree in picks) if chosen.tree_dflash else ()
+        any_tree = any(trees)
         return StepPlan(
             width=chosen.width,
-            run_draft=chosen.run_draft and not all(p is not None for p in taken),
+            run_draft=chosen.run_draft and (any_tree or not all(p is not None for p in taken)),
             suffix=taken,
             predicted_seconds=seconds(chosen),
             explored=explored,
             proposals=tuple(proposals),
+            tree_dflash=chosen.tree_dflash if any_tree else 0,
+            trees=trees if any_tree else (),
         )
 
     def _choose(
@@ -229,18 +287,31 @@ class Planner:
             w = self.widths[i - 1]
         return _Option(w, w > 1)
 
-    def observe(self, plan: StepPlan, accepted: Sequence[int]) -> None:
-        """Per-request accepted proposal tokens of a step planned by `plan`."""
+    def observe(
+        self,
+        plan: StepPlan,
+        accepted: Sequence[int],
+        branches: Sequence[Branches] | None = None,
+    ) -> None:
+        """Per-request accepted proposal tokens of a step planned by `plan`; a tree request's
+        from `branches[r]`, each branch to its own source's statistics."""
         surprise = 0.0  # accepted minus predicted, by the stats before this step
         for r, n in enumerate(accepted):
-            offered = plan.offered(r)
-            if offered == 0:
-                continue
-            proposal = plan.suffix[r]
-            stats = self.suffix_stats(proposal) if proposal else self.dflash
-            n = min(n, offered)
-            surprise += n - stats.expected_accepted(offered)
-            stats.observe(n, offered)
+            seen = branches[r] if branches is not None and plan.is_tree(r) else None
+            if seen is not None:
+                d_acc, d_off, s_acc, s_off = seen
+                observations = [(self.dflash, d_acc, d_off)]
+                observations += [(self.suffix_stats(plan.suffix[r]), s_acc, s_off)]
+            else:
+                offered = plan.offered(r)
+                proposal = plan.suffix[r]
+                stats = self.suffix_stats(proposal) if proposal else self.dflash
+                observations = [(stats, min(n, offered), offered)]
+            for stats, n_acc, offered in observations:
+                if offered == 0:
+                    continue
+                surprise += n_acc - stats.expected_accepted(offered)
+                stats.observe(n_acc, offered)
         if plan.explored and surprise > 0.0:
             self._explore_again = _Option(plan.width, plan.width > 1)  # as `_neighbour` made it
 

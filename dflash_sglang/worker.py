@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
@@ -58,6 +58,8 @@ from dflash_sglang.metrics import PrometheusMetrics
 from dflash_sglang.options import SpecOptions
 from dflash_sglang.proposals import Planner, StepPlan
 from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal
+from dflash_sglang.tree import TreeAcceptance, VerifyTree, build_tree, permute_rows
+from dflash_sglang.tree import accept as walk_tree
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,17 @@ class BlockSlots:
     cache_loc: torch.Tensor
     kv_loc_plan: KVLocPlan
     width: int
+    # After a tree walk: per request, the verify rows in chain order (`tree.accept`); the
+    # KV-location plan keeps the verify's own row order.
+    order: torch.Tensor | None = None
+
+
+@dataclass
+class TreeVerifyInput(DFlashVerifyInput):
+    """A verify whose rows form `tree.VerifyTree`s; the CPU attention backend reads `tree`
+    (SGLang's `custom_mask` is its backends' dense per-request mask, which ours refuses)."""
+
+    tree: VerifyTree | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,10 @@ class DFlashXWorker(DFlashWorkerV2):
             explore_every=self.options.explore_every,
             explore_budget=self.options.explore_budget,
             prefer_suffix=self.options.suffix_always,
+            tree=self.options.tree if self.platform.tree_verify else "off",
         )
+        if self.options.tree != "off" and not self.platform.tree_verify:
+            logger.info("--dflash-tree ignored: tree verify is CPU-only for now")
         # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._shared: SharedSuffixIndex | None = None
@@ -127,7 +143,8 @@ class DFlashXWorker(DFlashWorkerV2):
         self._previous_reqs: list = []  # the last decode batch's requests (shared lookup)
         self._radix_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._prompt_extras: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._pending_plans: deque[StepPlan] = deque(maxlen=4)  # awaiting accepted counts
+        # Plans awaiting accepted counts, with a tree step's per-branch counts.
+        self._pending_plans: deque[tuple[StepPlan, TreeAcceptance | None]] = deque(maxlen=4)
         self._deferred: kv_injection.DeferredRows | None = None
         if self.platform.defer_injection and self.options.defer_rows:
             self._deferred = kv_injection.DeferredRows(self.options.defer_rows)
@@ -189,8 +206,9 @@ class DFlashXWorker(DFlashWorkerV2):
             self._write_deferred()
         plan = self.plan_step(batch, host_lens)
 
-        # 1) Propose; 2) verify the first `width` tokens in one causal target forward;
-        # 3) accept the longest matching prefix plus the target's bonus token.
+        # 1) Propose; 2) verify the first `width` tokens in one target forward (a chain, or
+        # a tree of DFlash and suffix branches); 3) accept the longest matching prefix plus
+        # the target's bonus token.
         t0 = time.perf_counter()
         timer = self.platform.start_timer() if plan.run_draft else None
         candidates = self.propose(batch, draft_input, plan, prefix_lens, host_lens)
@@ -198,12 +216,19 @@ class DFlashXWorker(DFlashWorkerV2):
             timer.stop()
         t1 = time.perf_counter()
         self._last_step = (plan, len(host_lens), start, timer)
-        slots = self._block_slots(batch, prefix_lens, host_lens, plan.width)
+        rows = self._tree_of(plan, candidates)
+        slots = self._block_slots(batch, prefix_lens, host_lens, plan.width, rows)
         logits_output, target_predict, can_run_cuda_graph = self.verify(
-            batch, candidates, slots, host_lens + plan.width, grammar_barrier
+            batch, candidates, slots, host_lens + plan.width, grammar_barrier, rows
         )
-        logits = logits_output.next_token_logits
-        accepted = self.accept(candidates, logits, batch, draft_input, target_predict)
+        walked = None
+        if rows is None:
+            logits = logits_output.next_token_logits
+            accepted = self.accept(candidates, logits, batch, draft_input, target_predict)
+        else:
+            accepted, walked, slots = self._accept_tree(
+                rows, logits_output, batch, slots, target_predict
+            )
         t2 = time.perf_counter()
         next_token_ids = accepted.out_tokens.reshape(-1)
         if batch.return_logprob:
@@ -215,7 +240,7 @@ class DFlashXWorker(DFlashWorkerV2):
         # 4) Inject the committed tokens' target features into the draft KV cache, whichever
         # source proposed them, so the drafter can resume at any step.
         self._inject_committed(logits_output, slots, accepted.commit_lens, batch.reqs)
-        self._pending_plans.append(plan)
+        self._pending_plans.append((plan, walked))
         record = StepRecord(plan, accepted.accept_lens, t1 - t0, t2 - t1)
         for observe in self.step_observers:
             observe(record)
@@ -240,7 +265,16 @@ class DFlashXWorker(DFlashWorkerV2):
             drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
         else:
             drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
-        return assemble_candidates(drafts, plan.suffix, plan.width, int(self._mask_token_id))
+        chains = [None if plan.is_tree(r) else p for r, p in enumerate(plan.suffix)]
+        return assemble_candidates(drafts, chains, plan.width, int(self._mask_token_id))
+
+    @staticmethod
+    def _tree_of(plan: StepPlan, candidates: torch.Tensor) -> VerifyTree | None:
+        """A tree step's rows: tree requests' suffix branches beside their DFlash chains."""
+        if not plan.trees:
+            return None
+        taken = [p if plan.is_tree(r) else None for r, p in enumerate(plan.suffix)]
+        return build_tree(candidates, taken, plan.width, plan.tree_dflash)
 
     # ---- seams ----------------------------------------------------------------------------
 
@@ -251,6 +285,8 @@ class DFlashXWorker(DFlashWorkerV2):
         planner may choose differently: under TP > 1 rank 0's choice is broadcast.
         """
         plan = self.planner.plan(self._suffix_proposals(batch, host_lens))
+        if plan.trees and batch.has_grammar:  # grammar masks follow chains only
+            plan = replace(plan, tree_dflash=0, trees=())
         group = get_dp_tp_group()
         if group.world_size == 1:
             return plan
@@ -341,12 +377,16 @@ class DFlashXWorker(DFlashWorkerV2):
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0):
         """Accepted counts reach the host after the step: feed the planner (one step late)."""
         if self._pending_plans:
-            plan = self._pending_plans.popleft()
+            plan, walked = self._pending_plans.popleft()
             if len(plan.suffix) == len(num_correct_drafts_per_req):
-                self.planner.observe(plan, num_correct_drafts_per_req)
+                branches = walked.branches() if walked is not None else None
+                self.planner.observe(plan, num_correct_drafts_per_req, branches)
 
-    def _block_slots(self, batch, prefix_lens, host_lens, width: int) -> BlockSlots:
-        """Positions, KV slots and the KV-location plan of `width` tokens past each prefix."""
+    def _block_slots(
+        self, batch, prefix_lens, host_lens, width: int, rows: VerifyTree | None = None
+    ) -> BlockSlots:
+        """Positions, KV slots and the KV-location plan of `width` tokens past each prefix
+        (a tree's rows sit at their depths)."""
         bs = prefix_lens.numel()
         cache_loc = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices,
@@ -358,6 +398,8 @@ class DFlashXWorker(DFlashWorkerV2):
             device=self.device,
         )
         offsets = torch.arange(width, dtype=torch.int64, device=prefix_lens.device)
+        if rows is not None:
+            offsets = rows.depths
         positions = (prefix_lens.view(-1, 1).to(torch.int64) + offsets).reshape(-1)
         kv_loc_plan = self.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
@@ -480,7 +522,9 @@ class DFlashXWorker(DFlashWorkerV2):
             self._draft_head = weight[self._draft_vocab]
         return self._draft_head, self._draft_vocab
 
-    def verify(self, batch, candidates, slots: BlockSlots, host_seq_lens, grammar_barrier=None):
+    def verify(
+        self, batch, candidates, slots: BlockSlots, host_seq_lens, grammar_barrier=None, rows=None
+    ):
         """Target forward over the chain, capturing the hidden states KV injection needs.
 
         Returns the logits output (grammar-masked when the batch has grammars), the target's
@@ -491,13 +535,14 @@ class DFlashXWorker(DFlashWorkerV2):
         """
         width = candidates.shape[1]
         grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
-        verify_input = DFlashVerifyInput(
-            draft_token=candidates.reshape(-1),
+        verify_input = TreeVerifyInput(
+            draft_token=(candidates if rows is None else rows.tokens).reshape(-1),
             positions=slots.positions,
             draft_token_num=width,
             custom_mask=None,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=slots.kv_loc_plan,
+            tree=rows,
         )
         view = copy.copy(batch)
         view.out_cache_loc = slots.cache_loc
@@ -607,20 +652,59 @@ class DFlashXWorker(DFlashWorkerV2):
 
     def _sample_accept_torch(self, candidates, logits, info, width) -> acceptance.Acceptance:
         bs = candidates.shape[0]
+        probs = self._row_probs(logits, info, width).view(bs, width, -1)
+        # Greedy rows in a mixed batch have top_k == 1: a one-hot p accepts iff draft == argmax.
+        coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
+        return acceptance.sampled_accept(candidates, probs, coins, self._generator)
+
+    @staticmethod
+    def _row_probs(logits, info, width: int) -> torch.Tensor:
+        """The target's sampling distribution at every verify row, `[bs * width, V]`."""
 
         def per_row(values):
             return torch.repeat_interleave(values.view(-1), width)
 
-        probs = acceptance.sampling_probs(
+        return acceptance.sampling_probs(
             logits,
             per_row(info.temperatures),
             per_row(info.top_ks),
             per_row(info.top_ps),
             per_row(info.min_ps) if info.need_min_p_sampling else None,
-        ).view(bs, width, -1)
-        # Greedy rows in a mixed batch have top_k == 1: a one-hot p accepts iff draft == argmax.
-        coins = torch.rand(bs, width - 1, device=logits.device, generator=self._generator)
-        return acceptance.sampled_accept(candidates, probs, coins, self._generator)
+        )
+
+    def _accept_tree(
+        self, rows: VerifyTree, logits_output, batch, slots: BlockSlots, target_predict=None
+    ) -> tuple[acceptance.Acceptance, TreeAcceptance, BlockSlots]:
+        """Walk the tree with the target's token at every row (argmax, or one draw each),
+        then reorder the step's rows so the accepted path is a chain prefix: its KV slots
+        take positions prefix.. in `req_to_token` (a permutation of the slots the step
+        already holds, so nothing is allocated or freed), and the hidden states, logits
+        and injection slots follow; commit, injection and logprobs then see a chain."""
+        bs, width = rows.tokens.shape
+        info, logits = batch.sampling_info, logits_output.next_token_logits
+        if info is None or info.is_all_greedy:
+            site = SpecTpSyncSite.DFLASH_ACCEPT_GREEDY
+            target = acceptance.row_argmax(logits) if target_predict is None else target_predict
+        else:
+            site = SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
+            probs = self._row_probs(logits, info, width)
+            target = torch.multinomial(probs, 1, generator=self._generator)
+        target = self._tp_sync.sync(site, target.view(bs, width).contiguous())
+        walked = walk_tree(rows, target)
+        order = walked.order
+        chain = permute_rows(rows.tokens, order)
+        cache_loc = permute_rows(slots.cache_loc.view(bs, width), order)
+        offsets = torch.arange(width, dtype=torch.int64, device=order.device)
+        columns = batch.seq_lens.view(-1, 1).to(torch.int64) + offsets
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        req_to_token[batch.req_pool_indices.view(-1, 1), columns] = cache_loc.to(req_to_token.dtype)
+        logits_output.hidden_states = permute_rows(logits_output.hidden_states, order)
+        if batch.return_logprob:
+            logits_output.next_token_logits = permute_rows(logits, order)
+        slots = replace(
+            slots, positions=columns.view(-1), cache_loc=cache_loc.view(-1), order=order
+        )
+        return acceptance.commit(chain, walked.accept_lens, walked.bonus), walked, slots
 
     def _inject_committed(self, logits_output, slots: BlockSlots, commit_lens, reqs) -> None:
         """Write the committed rows' draft K/V now, or hold them for a later batched write
@@ -631,6 +715,8 @@ class DFlashXWorker(DFlashWorkerV2):
         logits_output.hidden_states = None
         bs, width = commit_lens.numel(), slots.width
         draft_loc = self._draft_write_ids(slots.kv_loc_plan)
+        if slots.order is not None:
+            draft_loc = permute_rows(draft_loc.view(bs, width), slots.order).view(-1)
         hidden = hidden[: bs * width]
         # HiCache may copy draft KV to the host once a step returns: rows must be written.
         if self._deferred is not None and self.hicache_draft_plan.mode == HiCacheDraftMode.NONE:

@@ -411,6 +411,54 @@ def test_tree_verify_is_refused() -> None:
         case.backend.init_forward_metadata(case.batch)
 
 
+def _tree_case(prefix_lens: list[int]) -> tuple[Case, torch.Tensor]:
+    """A width-4 verify whose rows form a tree per request, and its ancestor mask."""
+    from dflash_sglang.suffix import SuffixProposal
+    from dflash_sglang.tree import build_tree
+
+    bs = len(prefix_lens)
+    case = make_case(ForwardMode.TARGET_VERIFY, prefix_lens, [4] * bs)
+    drafts = torch.tensor([[1, 10, 11, 12]] * bs)
+    # Request 0: suffix branch off the anchor; 1: off d_1 (shared first token); rest: chains.
+    suffix = [SuffixProposal((20, 21), 1, 1), SuffixProposal((10, 30), 1, 1)]
+    tree = build_tree(drafts, (suffix + [None] * bs)[:bs], width=4, dflash_len=1)
+    case.batch.spec_info.tree = tree
+    return case, tree.ancestors()
+
+
+def tree_reference(case: Case, ancestors: torch.Tensor) -> torch.Tensor:
+    """Per-request attention in float64: all prefix keys, and in the block only ancestors."""
+    layer = case.layer
+    heads, group = layer.tp_q_head_num, layer.tp_q_head_num // layer.tp_k_head_num
+    queries = case.q.view(-1, heads, layer.qk_head_dim).double().split(case.new_lens)
+    outputs = []
+    for r, (q, key, value) in enumerate(zip(queries, case.keys, case.values, strict=True)):
+        key = key.double().repeat_interleave(group, dim=1)
+        value = value.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, key) * layer.scaling
+        prefix = key.shape[0] - q.shape[0]
+        visible = torch.ones(q.shape[0], key.shape[0], dtype=torch.bool)
+        visible[:, prefix:] = ancestors[r]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+        outputs.append(out.reshape(q.shape[0], -1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize(
+    "prefix_lens", [[9, 3, 20], [3], [2, 6]], ids=["grouped", "alone", "short"]
+)
+def test_tree_verify_attends_to_ancestors_only(prefix_lens: list[int]) -> None:
+    """Each block row sees the whole prefix and, inside the block, its tree ancestors: the
+    causal-only C++ kernel and the position-aligned grid (short prefixes) are not used."""
+    case, ancestors = _tree_case(prefix_lens)
+    out = run(case)
+    metadata = case.backend.forward_metadata
+    assert not metadata.paged and not metadata.position_aligned
+    assert_matches(out, tree_reference(case, ancestors), torch.float32)
+    assert not torch.allclose(out.double(), reference(case, causal=True))
+
+
 def test_causal_mask_places_queries_at_sequence_end() -> None:
     q_lens, kv_lens = torch.tensor([2, 1]), torch.tensor([4, 2])
     mask = attention.attention_mask(q_lens, kv_lens, q_max=3, kv_max=4, causal=True)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
-from dflash_sglang.proposals import DFLASH, SHARED, SUFFIX, Planner, StepPlan, _Option
+from dflash_sglang.proposals import DFLASH, SHARED, SUFFIX, TREE, Planner, StepPlan, _Option
 from dflash_sglang.suffix import SuffixProposal
 
 BLOCK = 16
@@ -288,13 +288,15 @@ def test_another_ranks_choice_reuses_this_ranks_proposals():
     planner = Planner(4, (1, 2, 4), CostModel(DEFAULT_CPU_PRIOR))
     proposals = [SuffixProposal((5, 6, 7), 2, 1), None]
     plan = planner.plan(proposals)
-    other = plan.with_choice((2, True, (-1, -1)))
+    other = plan.with_choice((2, True, (-1, -1), 0, ()))
     assert (other.width, other.run_draft, other.suffix) == (2, True, (None, None))
-    back = other.with_choice((4, False, (0, -1)))
-    assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (0, -1))
+    back = other.with_choice((4, False, (0, -1), 0, ()))
+    assert back.suffix == (proposals[0], None) and back.choice() == (4, False, (0, -1), 0, ())
     both = [(SuffixProposal((5,), 1, 1), SuffixProposal((6, 7), 4, 1, shared=True))]
-    shared = planner.plan(both).with_choice((4, False, (1,)))
-    assert shared.suffix == both[0][1:] and shared.choice() == (4, False, (1,))
+    shared = planner.plan(both).with_choice((4, False, (1,), 0, ()))
+    assert shared.suffix == both[0][1:] and shared.choice() == (4, False, (1,), 0, ())
+    tree = plan.with_choice((4, True, (0, -1), 1, (True, False)))
+    assert tree.source(0) == TREE and tree.source(1) == DFLASH and tree.offered(0) == 3
 
 
 def test_exploration_spends_at_most_its_budget_of_step_time():
@@ -321,3 +323,46 @@ def test_exploration_cycles_up_plain_and_down():
         (1, False, True),
         (2, True, True),
     ]
+
+
+# --- two-branch trees --------------------------------------------------------------------
+
+
+def _tree_planner(d_rate: float, s_rate: float, tree: str = "on") -> Planner:
+    """Acceptance learned at fixed per-slot rates; a cost where verified tokens are cheap."""
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), explore_every=0, tree=tree)
+    for stats, rate in ((planner.dflash, d_rate), (planner.suffix[3], s_rate)):
+        for _ in range(400):
+            n = 0
+            while n < 7 and random.random() < rate:
+                n += 1
+            stats.observe(n, 7)
+    return planner
+
+
+def test_a_tree_is_planned_when_both_sources_hit_and_verifying_is_cheap():
+    random.seed(0)
+    plan = _tree_planner(0.6, 0.6).plan([_proposal(8), None])
+    assert plan.tree_dflash in (1, 3) and plan.run_draft
+    assert plan.trees == (True, False)
+    assert [plan.source(r) for r in range(2)] == [TREE, DFLASH]
+
+
+def test_no_tree_when_disabled_or_when_one_source_never_hits():
+    random.seed(0)
+    assert not _tree_planner(0.6, 0.6, tree="off").plan([_proposal(8)]).trees
+    random.seed(0)
+    plan = _tree_planner(0.6, 0.0).plan([_proposal(8)])  # the suffix branch adds nothing
+    assert not plan.trees
+    random.seed(0)
+    forced = _tree_planner(0.6, 0.0, tree="always").plan([_proposal(8), None])
+    assert forced.trees == (True, False) and forced.run_draft
+
+
+def test_a_tree_step_observes_each_branch_in_its_own_statistics():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), tree="on")
+    plan = StepPlan(8, True, (_proposal(8),), 0.01, tree_dflash=3, trees=(True,))
+    before_d, before_s = list(planner.dflash.rates), list(planner.suffix[3].rates)
+    planner.observe(plan, [4], branches=[(0, 3, 4, 4)])
+    assert planner.suffix[3].rates != before_s  # 4 of 4 suffix rows accepted
+    assert planner.dflash.rates[0] < before_d[0]  # the tree's DFlash branch missed at slot 1

@@ -192,7 +192,9 @@ def variants(models, servers, tmp_path_factory):
     finished requests' outputs) taken whenever one exists while the width changes every
     other step (exploration every 2 steps, whatever it costs: with an honest cost model the
     default 1% budget rarely lets this tiny random drafter run), its shared lookup warmed
-    from a corpus holding the plain server's reply to `WARM_PROMPT`."""
+    from a corpus holding the plain server's reply to `WARM_PROMPT`; and with every request
+    that has a suffix proposal verifying it beside its DFlash block as a two-branch tree on
+    drafting steps (`--dflash-tree always`)."""
     logs = tmp_path_factory.mktemp("variant_logs")
     reply = servers[0].generate(input_ids=WARM_PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
     corpus = logs / "warm.jsonl"
@@ -211,12 +213,19 @@ def variants(models, servers, tmp_path_factory):
             + ["--dflash-suffix-warm", str(corpus)],
             logs / "mixed.log",
         )
+        tree = Server(
+            [*common, "--dflash-tree", "always", "--dflash-widths", "1,4"]
+            + ["--dflash-suffix-shared", "4096"],
+            logs / "tree.log",
+        )
     except Exception:
         plain.stop()
+        if "mixed" in locals():
+            mixed.stop()
         raise
-    yield {"plain": plain, "mixed": mixed}
-    plain.stop()
-    mixed.stop()
+    yield {"plain": plain, "mixed": mixed, "tree": tree}
+    for server in (plain, mixed, tree):
+        server.stop()
 
 
 def test_width_one_throughout_is_lossless_and_never_drafts(servers, variants):
@@ -296,6 +305,47 @@ def test_suffix_proposals_keep_sampling_valid(variants):
     mixed = variants["mixed"]
     for params in ({"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "min_p": 0.05}):
         out = mixed.generate(REPETITIVE[1], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
+        assert len(out["output_ids"]) == MAX_NEW
+        assert all(0 <= t < 512 for t in out["output_ids"])
+
+
+def test_two_branch_trees_are_lossless(servers, variants):
+    """Trees (suffix and DFlash branches; a branch hanging off a shared prefix or the
+    anchor) beside plain chains in one batch, radix hits and logprobs: the same tokens as
+    plain decoding, and the tree's KV slots reordered so later steps read the right KV."""
+    ar, _ = servers
+    tree = variants["tree"]
+    before = server_metrics.scrape(tree.url)
+    for text in REPETITIVE[:2] + SHORT[:2]:
+        assert _ids(tree, text) == _ids(ar, text), text
+    texts = REPETITIVE + SHORT[6:10]  # concurrent: trees and DFlash chains in one batch
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: _ids(tree, t), texts))
+    assert got == [_ids(ar, t) for t in texts]
+    again = tree.generate(REPETITIVE[0], max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert again["output_ids"] == _ids(ar, REPETITIVE[0])
+    req = {"return_logprob": True}
+    a, t = (
+        s.generate(REPETITIVE[2], max_new_tokens=8, ignore_eos=True, request=req)
+        for s in (ar, tree)
+    )
+    assert a["output_ids"] == t["output_ids"]
+    a_lp = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+    t_lp = [x[0] for x in t["meta_info"]["output_token_logprobs"]]
+    assert max(abs(x - y) for x, y in zip(a_lp, t_lp, strict=True)) < 1e-3
+
+    deltas = server_metrics.counter_deltas(before, server_metrics.scrape(tree.url))
+    key = server_metrics.sample_key("dflash_num_drafts_total", {"source": "tree"})
+    assert deltas.get(key, 0) > 0, "no tree was verified"
+    stats = requests.get(f"{tree.url}/dflash/stats", timeout=10).json()
+    assert stats["since_start"]["tau_by_source"]["tree"] > 1.0
+
+
+def test_trees_keep_sampling_valid(variants):
+    tree = variants["tree"]
+    for params in ({"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "min_p": 0.05}):
+        out = tree.generate(REPETITIVE[3], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
         assert len(out["output_ids"]) == MAX_NEW
         assert all(0 <= t < 512 for t in out["output_ids"])
 

@@ -65,7 +65,7 @@ def test_tau_per_source_plain_steps_and_mean_width():
         _samples(20, 10, [12], 0, plain=10, suffix=(10, 20), shared=(5, 5)), now=10.0
     )
     window = summarize(new, old)
-    assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0, "shared": 2.0}
+    assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0, "shared": 2.0, "tree": None}
     assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10, "shared": 5}
     assert window["tau"] == pytest.approx(1 + 30 / 25)
     # 35 steps: 25 at width 4, 10 at width 1 (speculation off).
@@ -87,7 +87,7 @@ def test_window_picks_the_latest_snapshot_far_enough_back():
 def test_nothing_drafted_gives_no_ratios():
     empty = summarize(Snapshot(time=1.0), None)
     assert empty["tau"] is None and empty["acceptance_rate"] is None
-    assert empty["tau_by_source"] == {"dflash": None, "suffix": None, "shared": None}
+    assert empty["tau_by_source"] == dict.fromkeys(("dflash", "suffix", "shared", "tree"))
 
 
 def test_series_rates_between_recorded_snapshots():

@@ -36,7 +36,7 @@ def test_status_page_renders_live_stats(live_dflash, tmp_path):
     assert _text(dom, "verify-width") == "8.0" and _text(dom, "width-last") == "8"
     assert _text(dom, "spec-off") == "0.0%"
     # DFlash block / own-text lookup / shared lookup: the last two never proposed here.
-    assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / – / –"
+    assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / – / – / –"
     positions = len(stats["since_start"]["acceptance_by_position"])
     assert positions == 7
     assert dom.count('class="bar window"') == positions

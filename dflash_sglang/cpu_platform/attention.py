@@ -65,6 +65,8 @@ class PaddedBatch:
     q_starts: torch.Tensor
     # [bs] grid row of each request's first query.
     first_rows: torch.Tensor
+    # Tree verify (`tree.VerifyTree.ancestors`): [bs, w, w], query i sees block key j.
+    tree_ancestors: torch.Tensor | None = None
 
     @functools.cached_property
     def token_rows(self) -> torch.Tensor | None:
@@ -79,6 +81,8 @@ class PaddedBatch:
         if self.position_aligned:
             return None
         mask = attention_mask(self.q_lens, self.kv_lens, self.q_max, self.kv_max, causal=True)
+        if self.tree_ancestors is not None:
+            return tree_mask(mask, self.tree_ancestors, self.kv_lens)
         return None if bool(mask.all()) else mask
 
     @functools.cached_property
@@ -129,6 +133,18 @@ def attention_mask(
     return (in_range & (key_pos <= query_pos)).unsqueeze(1)
 
 
+def tree_mask(causal: torch.Tensor, ancestors: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    """The causal mask `[bs, 1, w, kv_max]` of a verify block narrowed to each query's
+    ancestors inside the block (the block's w keys end each request's keys)."""
+    bs, w, _ = ancestors.shape
+    kv_max = causal.shape[-1]
+    column = torch.arange(kv_max, device=kv_lens.device) - (kv_lens - w).view(-1, 1)
+    in_block = (column >= 0).view(bs, 1, kv_max)
+    index = column.clamp(0, w - 1).view(bs, 1, kv_max).expand(bs, w, kv_max)
+    allowed = ~in_block | ancestors.gather(2, index)
+    return causal & allowed.unsqueeze(1)
+
+
 def packed_token_rows(
     q_lens: torch.Tensor, first_rows: torch.Tensor, q_rows: int, num_tokens: int
 ) -> torch.Tensor:
@@ -160,6 +176,7 @@ def build_padded_batch(
     req_pool_indices: torch.Tensor,
     grouped_max_rows: int = GROUPED_MAX_ROWS,
     paged: bool = False,
+    tree_ancestors: torch.Tensor | None = None,
 ) -> PaddedBatch:
     """Everything the layers share for one forward; maxima are read once here.
 
@@ -168,12 +185,13 @@ def build_padded_batch(
     so the kernel's built-in causal skipping applies (cost ~ kv_max**2 / 2, right for
     prefill). The lengths are host tensors on CPU: the `int(...)` reads cost no sync.
     `paged`: the kernel is built and allowed; batches with at most `grouped_max_rows` rows
-    per request, a request alone included, then take it.
+    per request, a request alone included, then take it (not a tree verify: the kernel's
+    mask is causal only).
     """
     q_lens, kv_lens = q_lens.long(), kv_lens.long()
     batch_size = q_lens.shape[0]
     q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
-    position_aligned = 2 * q_max > kv_max
+    position_aligned = 2 * q_max > kv_max and tree_ancestors is None
     q_rows, first_rows = (
         (kv_max, kv_lens - q_lens) if position_aligned else (q_max, torch.zeros_like(q_lens))
     )
@@ -187,11 +205,12 @@ def build_padded_batch(
         kv_slots=kv_slot_table(req_to_token, req_pool_indices, kv_lens, kv_max),
         position_aligned=position_aligned,
         grouped=few_rows and batch_size > 1,
-        paged=paged and few_rows,
+        paged=paged and few_rows and tree_ancestors is None,
         kv_lens=kv_lens,
         q_lens=q_lens,
         q_starts=torch.cumsum(q_lens, 0) - q_lens,
         first_rows=first_rows,
+        tree_ancestors=tree_ancestors,
     )
 
 
@@ -347,6 +366,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
             self.forward_metadata = None
             return
         q_lens, kv_lens = batch_lengths(forward_batch)
+        tree = getattr(forward_batch.spec_info, "tree", None)
         self.forward_metadata = build_padded_batch(
             q_lens,
             kv_lens,
@@ -354,6 +374,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
             forward_batch.req_pool_indices,
             self.grouped_max_rows,
             self.paged,
+            None if tree is None else tree.ancestors(),
         )
 
     def forward_extend(
