@@ -19,6 +19,7 @@ suffix index must not be credited for replaying an output it already holds. Arms
   own       the default launch without the shared lookup (--dflash-suffix-shared 0), the
             default before it was measured (bench/proposers/shared_*.json, whose arm
             "shared" is today's default)
+  tree      the default launch with two-branch trees priced by the planner (--dflash-tree on)
 Any arm named `ARM@base` is ARM served from git revision `--base` instead of this tree
 (before/after a change, in one interleaved run).
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
@@ -55,6 +56,10 @@ ARMS = {
     "adaptive": ["--dflash-suffix", "off"],
     "fixed": ARMS_FIXED,
     "own": ["--dflash-suffix-shared", "0"],
+    # Two-branch trees (off by default): on, priced by the planner; always, on every
+    # drafting step of a request with a suffix proposal.
+    "tree": [*WARM, "--dflash-tree", "on"],
+    "tree_always": [*WARM, "--dflash-tree", "always"],
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],

@@ -39,7 +39,7 @@ class SpecOptions:
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
     defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
     prompt_vocab: int = DEFAULT_PROMPT_VOCAB  # prompt tokens joining a restricted vocab; 0: off
-    tree: str = "on"  # two-branch trees (DFlash + suffix): "on", "off", "always" (comparisons)
+    tree: str = "off"  # two-branch trees (DFlash + suffix): "on", "off", "always" (comparisons)
 
     def candidate_widths(self, block_size: int) -> tuple[int, ...]:
         """Verify widths the controller may pick; fixed width = the block alone."""
@@ -290,11 +290,11 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--dflash-tree",
         choices=("on", "off", "always"),
-        default="on",
-        help="when a request has both a DFlash block and a suffix proposal, the planner may "
+        default="off",
+        help="when a request has both a DFlash block and a suffix proposal, let the planner "
         "verify both as two branches of one tree and keep the one the target follows "
-        "further (default on; always: every such request on drafting steps, for "
-        "comparisons; CPU only for now, ignored on GPU)",
+        "further (default off: on this project's CPU it did not pay; always: every such "
+        "request on drafting steps, for comparisons; CPU only for now, ignored on GPU)",
     )
 
 

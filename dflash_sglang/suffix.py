@@ -186,7 +186,7 @@ def better(own: SuffixProposal | None, shared: SuffixProposal | None) -> SuffixP
     return shared
 
 
-def _accepted_len(drafts: Sequence[int], target: Sequence[int]) -> int:
+def accepted_len(drafts: Sequence[int], target: Sequence[int]) -> int:
     """Drafts greedy verification accepts (the rule of `acceptance.accepted_prefix_len`)."""
     import torch
 
@@ -225,7 +225,7 @@ def replay_tau(
         accepted = 0
         if proposal is not None:
             proposed += 1
-            accepted = _accepted_len(proposal.tokens, output[pos : pos + max_proposal])
+            accepted = accepted_len(proposal.tokens, output[pos : pos + max_proposal])
         emitted = min(accepted + 1, len(output) - pos)
         index.extend(output[pos : pos + emitted])
         pos += emitted
