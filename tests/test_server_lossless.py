@@ -301,10 +301,11 @@ def test_a_warm_shared_lookup_proposes_from_its_corpus_at_once(servers, variants
     assert "shared suffix lookup warmed from" in mixed.log_path.read_text()
 
 
-def test_suffix_proposals_keep_sampling_valid(variants):
-    mixed = variants["mixed"]
+@pytest.mark.parametrize("variant, text", [("mixed", REPETITIVE[1]), ("tree", REPETITIVE[3])])
+def test_suffix_proposals_and_trees_keep_sampling_valid(variants, variant, text):
+    server = variants[variant]
     for params in ({"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "min_p": 0.05}):
-        out = mixed.generate(REPETITIVE[1], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
+        out = server.generate(text, max_new_tokens=MAX_NEW, ignore_eos=True, **params)
         assert len(out["output_ids"]) == MAX_NEW
         assert all(0 <= t < 512 for t in out["output_ids"])
 
@@ -340,14 +341,6 @@ def test_two_branch_trees_are_lossless(servers, variants):
     assert deltas.get(key, 0) > 0, "no tree was verified"
     stats = requests.get(f"{tree.url}/dflash/stats", timeout=10).json()
     assert stats["since_start"]["tau_by_source"]["tree"] > 1.0
-
-
-def test_trees_keep_sampling_valid(variants):
-    tree = variants["tree"]
-    for params in ({"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "min_p": 0.05}):
-        out = tree.generate(REPETITIVE[3], max_new_tokens=MAX_NEW, ignore_eos=True, **params)
-        assert len(out["output_ids"]) == MAX_NEW
-        assert all(0 <= t < 512 for t in out["output_ids"])
 
 
 COMPILED = "Target forward: compiled"
