@@ -192,30 +192,32 @@ class Planner:
         gain_dflash = [0.0, *accumulate(survival_dflash)]  # gain[n] = sum S[:n]
         curves: dict[int, tuple[list[float], list[float]]] = {}  # id(stats) -> (gain, both)
 
-        def curve(p: SuffixProposal) -> tuple[list[float], list[float]]:
-            """p's source's gain[n] and the prefix sums of S_dflash * S_src (a tree's overlap)."""
+        def curve(p: SuffixProposal) -> tuple[list[float], list[float], int, SuffixProposal]:
+            """p's source's gain[n], the prefix sums of S_dflash * S_src (a tree's overlap),
+            p's length and p."""
             stats = self.suffix_stats(p)
             if id(stats) not in curves:
                 survival = stats.survival()
                 both = (d * q for d, q in zip(survival_dflash, survival, strict=True))
                 curves[id(stats)] = ([0.0, *accumulate(survival)], [0.0, *accumulate(both)])
-            return curves[id(stats)]
+            return (*curves[id(stats)], len(p.tokens), p)
+
+        suffix_curves = [[curve(p) for p in cands] for cands in proposals]
 
         def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None, bool]:
             """(E_r - 1, the suffix proposal taken or None, verified as a tree); ties go to
             the earlier candidate (own text before shared), then to the drafter's chain."""
             n = opt.width - 1
-            dflash = gain_dflash[n] if opt.run_draft else 0.0
-            best, taken, tree = dflash, None, False
-            scored = [(curve(p)[0][min(n, len(p.tokens))], p) for p in proposals[r]]
-            if scored:
+            best = gain_dflash[n] if opt.run_draft else 0.0
+            taken, tree = None, False
+            if suffix_curves[r]:
+                scored = [(gain[min(n, length)], p) for gain, _, length, p in suffix_curves[r]]
                 chain, p = max(scored, key=lambda s: s[0])  # the first of equals
                 if self.prefer_suffix or chain > best:
                     best, taken = chain, p
             a = opt.tree_dflash
-            for p in proposals[r] if a else ():
-                gain, both = curve(p)
-                m = min(n - a, len(p.tokens))
+            for gain, both, length, p in suffix_curves[r] if a else ():
+                m = min(n - a, length)
                 value = gain_dflash[a] + gain[m] - both[min(a, m)]
                 if value > best or (self.tree == "always" and not tree):
                     best, taken, tree = value, p, True
