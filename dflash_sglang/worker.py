@@ -535,15 +535,18 @@ class DFlashXWorker(DFlashWorkerV2):
         """
         width = candidates.shape[1]
         grammar_tree = GrammarTree.from_linear_chain(candidates) if batch.has_grammar else None
-        verify_input = TreeVerifyInput(
+        fields = dict(
             draft_token=(candidates if rows is None else rows.tokens).reshape(-1),
             positions=slots.positions,
             draft_token_num=width,
             custom_mask=None,
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=slots.kv_loc_plan,
-            tree=rows,
         )
+        if rows is None:
+            verify_input = DFlashVerifyInput(**fields)
+        else:
+            verify_input = TreeVerifyInput(**fields, tree=rows)
         view = copy.copy(batch)
         view.out_cache_loc = slots.cache_loc
         view.seq_lens_cpu, view.seq_lens_sum = host_seq_lens, int(host_seq_lens.sum())

@@ -66,7 +66,7 @@ def test_tau_per_source_plain_steps_and_mean_width():
     )
     window = summarize(new, old)
     assert window["tau_by_source"] == {"dflash": 1.5, "suffix": 3.0, "shared": 2.0, "tree": None}
-    assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10, "shared": 5}
+    assert window["drafts_by_source"] == {"dflash": 10, "suffix": 10, "shared": 5, "tree": 0}
     assert window["tau"] == pytest.approx(1 + 30 / 25)
     # 35 steps: 25 at width 4, 10 at width 1 (speculation off).
     assert window["mean_verify_width"] == pytest.approx(110 / 35)
