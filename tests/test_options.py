@@ -61,6 +61,12 @@ def test_suffix_always_implies_on_and_survives_the_environment():
     assert SpecOptions.from_env(opts.to_env()) == opts
 
 
+def test_tree_option_defaults_off_and_reaches_the_workers():
+    assert _parse().tree == "off"
+    opts = _parse("--dflash-tree", "always")
+    assert SpecOptions.from_env(opts.to_env()).tree == "always"
+
+
 def test_explicit_widths_are_sorted_and_deduplicated():
     assert _parse("--dflash-widths", "4,1,4,2").candidate_widths(8) == (1, 2, 4)
 
@@ -79,6 +85,7 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),
         (["--dflash-defer-injection", "-5"], "--dflash-defer-injection must be >= 0"),
         (["--dflash-prompt-vocab", "-1"], "--dflash-prompt-vocab must be >= 0"),
+        (["--dflash-tree", "yes"], "--dflash-tree: invalid choice: 'yes'"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message, capsys):

@@ -366,3 +366,8 @@ def test_a_tree_step_observes_each_branch_in_its_own_statistics():
     planner.observe(plan, [4], branches=[(0, 3, 4, 4)])
     assert planner.suffix[3].rates != before_s  # 4 of 4 suffix rows accepted
     assert planner.dflash.rates[0] < before_d[0]  # the tree's DFlash branch missed at slot 1
+
+
+def test_a_bad_tree_setting_is_refused():
+    with pytest.raises(ValueError, match="tree must be on, off or always"):
+        Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), tree="yes")
