@@ -33,6 +33,18 @@ def _record_on_current_stream(tensor: torch.Tensor) -> None:
     tensor.record_stream(torch.get_device_module(tensor.device).current_stream())
 
 
+def _always(*_args, **_kwargs) -> bool:
+    return True
+
+
+def _flashinfer_target(model_runner: Any) -> bool:
+    """FlashInfer's verify plans SGLang's flat custom mask (`tree.custom_mask`); other GPU
+    backends' DFLASH verify is causal only."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return isinstance(model_runner.attn_backend, FlashInferAttnBackend)
+
+
 def _cpu_draft_model(draft_model: torch.nn.Module, layout: Any) -> None:
     from dflash_sglang.cpu_platform.compiled import compile_draft
     from dflash_sglang.cpu_platform.triton_fallbacks import use_torch_paths
@@ -125,9 +137,12 @@ class Platform:
     # Steps that do not draft may defer KV injection (`kv_injection.DeferredRows`): on CPU
     # an injection costs nearly the same for one row as for many; on GPU it is one kernel.
     defer_injection: bool = False
-    # Two-branch tree verify (`tree.py`): our CPU attention backend takes the tree's mask;
-    # on GPU the verify graphs and FlashInfer's custom-mask path are not wired for it yet.
-    tree_verify: bool = False
+    # Two-branch tree verify (`tree.py`): (target model runner) -> whether its attention
+    # takes a tree. Our CPU backend reads `TreeVerifyInput.tree`; on GPU FlashInfer reads the
+    # flat custom mask (`tree_custom_mask`), and tree steps run eager: the verify graphs
+    # were captured for chains, without a mask buffer.
+    tree_verify: Callable[[Any], bool] = _no_op
+    tree_custom_mask: bool = False
 
     def with_(self, **changes) -> Platform:
         return dataclasses.replace(self, **changes)
@@ -140,7 +155,7 @@ CPU = Platform(
     sleep_on_idle=True,
     prepare_draft_model=_cpu_draft_model,
     defer_injection=True,
-    tree_verify=True,
+    tree_verify=_always,
 )
 CUDA = Platform(
     name="cuda",
@@ -151,6 +166,8 @@ CUDA = Platform(
     triton_kernels=True,
     start_timer=CudaTimer,
     verify_graphs=VerifyGraphs.build,
+    tree_verify=_flashinfer_target,
+    tree_custom_mask=True,
 )
 
 

@@ -59,6 +59,33 @@ class VerifyTree:
         return anc
 
 
+def custom_mask(tree: VerifyTree, prefix_lens: torch.Tensor) -> torch.Tensor:
+    """The tree as SGLang's flat verify allow-mask (its EAGLE convention, which FlashInfer's
+    custom-mask prefill reads on GPU): request r contributes `w` rows of `p_r + w` columns,
+    row-major, requests concatenated, `p_r = prefix_lens[r]` its committed length (the
+    verify's `seq_lens`); every committed column is allowed, block column j where j is the
+    row itself or one of its ancestors. One scatter, no host sync given host `prefix_lens`.
+
+    Request r starts at `w * (sum_{q<r} p_q + r * w)`; its row i, block column j lies at
+    `start_r + i * (p_r + w) + p_r + j`.
+    """
+    anc = tree.ancestors()
+    bs, w = tree.tokens.shape
+    device = anc.device
+    p = prefix_lens.to(device=device, dtype=torch.int64)
+    starts = w * (torch.cumsum(p, 0) - p + torch.arange(bs, device=device) * w)
+    i = torch.arange(w, device=device)
+    index = (
+        starts.view(bs, 1, 1)
+        + (i.view(1, w, 1) * (p + w).view(bs, 1, 1))
+        + p.view(bs, 1, 1)
+        + i.view(1, 1, w)
+    )
+    total = w * int(prefix_lens.sum()) + bs * w * w
+    mask = torch.ones(total, dtype=torch.bool, device=device)
+    return mask.index_put_((index.view(-1),), anc.reshape(-1))
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -77,8 +104,7 @@ def build_tree(
     """The tree rows of a step that drafted `drafts` (`[bs, n]`: anchor + DFlash proposals,
     n >= width) and took `suffix[r]` beside request r's first `dflash_len` DFlash tokens.
 
-    Built on the host (w <= 16 rows a request): a tree step runs where the draft tensors
-    are host memory (`Platform.tree_verify`).
+    Built on the host (w <= 16 rows a request; on GPU one copy each way per tree step).
     """
     bs, n = drafts.shape
     if not 1 <= dflash_len < width - 1 or width > n:

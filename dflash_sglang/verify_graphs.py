@@ -92,3 +92,14 @@ class VerifyGraphs:
             yield
         finally:
             self.activate(self.block_size)
+
+
+@contextlib.contextmanager
+def eager(model_runner: Any) -> Iterator[None]:
+    """One verify with no graph (a tree step: every verify graph was captured for chains,
+    and FlashInfer plans its custom mask only on an eager wrapper)."""
+    runner, model_runner.decode_cuda_graph_runner = model_runner.decode_cuda_graph_runner, None
+    try:
+        yield
+    finally:
+        model_runner.decode_cuda_graph_runner = runner

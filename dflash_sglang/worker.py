@@ -51,7 +51,14 @@ from sglang.srt.speculative.spec_utils import (
     draft_tp_context,
 )
 
-from dflash_sglang import acceptance, draft_vocab, kv_injection, platform, suffix_corpus
+from dflash_sglang import (
+    acceptance,
+    draft_vocab,
+    kv_injection,
+    platform,
+    suffix_corpus,
+    verify_graphs,
+)
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
 from dflash_sglang.block import assemble_candidates, build_draft_block
 from dflash_sglang.metrics import PrometheusMetrics
@@ -60,6 +67,7 @@ from dflash_sglang.proposals import Planner, StepPlan
 from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal
 from dflash_sglang.tree import TreeAcceptance, VerifyTree, build_tree, permute_rows
 from dflash_sglang.tree import accept as walk_tree
+from dflash_sglang.tree import custom_mask as tree_custom_mask
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +88,9 @@ class BlockSlots:
 
 @dataclass
 class TreeVerifyInput(DFlashVerifyInput):
-    """A verify whose rows form `tree.VerifyTree`s; the CPU attention backend reads `tree`
-    (SGLang's `custom_mask` is its backends' dense per-request mask, which ours refuses)."""
+    """A verify whose rows form `tree.VerifyTree`s: our CPU attention backend reads `tree`
+    (its ancestors, `[bs, w, w]`); on GPU FlashInfer reads the same tree as SGLang's flat
+    `custom_mask` (`tree.custom_mask`), which is dense over every prefix column."""
 
     tree: VerifyTree | None = None
 
@@ -125,10 +134,8 @@ class DFlashXWorker(DFlashWorkerV2):
             explore_every=self.options.explore_every,
             explore_budget=self.options.explore_budget,
             prefer_suffix=self.options.suffix_always,
-            tree=self.options.tree if self.platform.tree_verify else "off",
+            tree=self.options.tree if self._trees_run(target_worker) else "off",
         )
-        if self.options.tree != "off" and not self.platform.tree_verify:
-            logger.info("--dflash-tree ignored: tree verify is CPU-only for now")
         # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._shared: SharedSuffixIndex | None = None
@@ -522,10 +529,18 @@ class DFlashXWorker(DFlashWorkerV2):
             self._draft_head = weight[self._draft_vocab]
         return self._draft_head, self._draft_vocab
 
+    def _trees_run(self, target_worker) -> bool:
+        if self.options.tree == "off":
+            return False
+        if self.platform.tree_verify(target_worker.model_runner):
+            return True
+        logger.info("--dflash-tree ignored: the target's attention backend takes no tree mask")
+        return False
+
     def verify(
         self, batch, candidates, slots: BlockSlots, host_seq_lens, grammar_barrier=None, rows=None
     ):
-        """Target forward over the chain, capturing the hidden states KV injection needs.
+        """Target forward over the chain or tree, capturing the hidden states KV injection needs.
 
         Returns the logits output (grammar-masked when the batch has grammars), the target's
         argmax per row when it was taken without the full logits (else None), and whether
@@ -543,15 +558,20 @@ class DFlashXWorker(DFlashWorkerV2):
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=slots.kv_loc_plan,
         )
+        graphs = contextlib.nullcontext()
         if rows is None:
             verify_input = DFlashVerifyInput(**fields)
+            if self._verify_graphs is not None:
+                graphs = self._verify_graphs.using(width)
         else:
+            if self.platform.tree_custom_mask:
+                fields["custom_mask"] = tree_custom_mask(rows, host_seq_lens - width)
+                graphs = verify_graphs.eager(self.target_worker.model_runner)
             verify_input = TreeVerifyInput(**fields, tree=rows)
         view = copy.copy(batch)
         view.out_cache_loc = slots.cache_loc
         view.seq_lens_cpu, view.seq_lens_sum = host_seq_lens, int(host_seq_lens.sum())
-        graphs = self._verify_graphs
-        with graphs.using(width) if graphs is not None else contextlib.nullcontext():
+        with graphs:
             forward_batch, _ = verify_input.prepare_for_verify(view, self.target_worker)
             out = self.target_worker.forward_batch_generation(
                 batch=None, forward_batch=forward_batch, is_verify=True,

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dflash_sglang import acceptance
+from dflash_sglang.cpu_platform.attention import tree_mask
 from dflash_sglang.suffix import SuffixProposal
-from dflash_sglang.tree import accept, build_tree, permute_rows
+from dflash_sglang.tree import accept, build_tree, custom_mask, permute_rows
 
 ANCHOR = 1
 
@@ -49,6 +50,28 @@ def test_ancestors_follow_the_parents():
         [1, 0, 0, 1, 0],
         [1, 0, 0, 1, 1],
     ]
+
+
+@pytest.mark.parametrize("prefix_lens", [[5, 0, 9], [1, 1, 1], [12, 3, 0]])
+def test_flat_custom_mask_is_the_cpu_backends_tree_mask(prefix_lens):
+    """The GPU form (SGLang's flat allow-mask FlashInfer reads: per request w rows of
+    prefix + w columns, concatenated) against the CPU backend's own tree mask, padding rows
+    and a request without a suffix branch included; its size is the one upstream's
+    `generate_attn_arg_prefill` expects (so nothing gets padded onto it)."""
+    drafts = torch.tensor([[ANCHOR, 10, 11, 12, 13, 14]] * 3)
+    suffix = [_proposal(20, 21), _proposal(10, 11, 30, 31, 32), None]
+    tree = build_tree(drafts, suffix, width=6, dflash_len=2)
+    bs, w = tree.tokens.shape
+    flat = custom_mask(tree, torch.tensor(prefix_lens))
+    assert flat.dtype == torch.bool
+    assert flat.numel() == sum(prefix_lens) * w + w * w * bs
+    kv_lens = torch.tensor(prefix_lens) + w
+    kv_max = int(kv_lens.max())
+    causal = torch.ones(bs, 1, w, kv_max, dtype=torch.bool)
+    dense = tree_mask(causal, tree.ancestors(), kv_lens)[:, 0]
+    # The CPU mask pads each request's keys to kv_max columns; the flat one packs them.
+    expected = torch.cat([dense[r, :, : int(kv_lens[r])].reshape(-1) for r in range(bs)])
+    assert torch.equal(flat, expected)
 
 
 def _target_tokens(tree, wanted: dict[int, int], bs_row: int = 0) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 
 from dflash_sglang import platform
 from dflash_sglang import worker as worker_module
+from dflash_sglang.suffix import SuffixProposal
+from dflash_sglang.tree import build_tree, custom_mask
 from dflash_sglang.verify_graphs import VerifyGraphs, VerifyState
 from dflash_sglang.worker import BlockSlots
 from tests.test_worker_cuda_branch import bare_worker
@@ -89,3 +91,54 @@ def test_the_verify_forward_runs_in_its_widths_graph(monkeypatch, width):
     worker.verify(batch, candidates, slots, torch.tensor([5 + width, 9 + width]))
     assert seen == [("prepare", f"backend{width}"), ("forward", f"graph{width}")]
     assert model_runner.decode_cuda_graph_runner == "graph8"
+
+
+def test_a_tree_verify_on_cuda_runs_eager_with_the_trees_custom_mask(monkeypatch):
+    """FlashInfer takes a tree only as a custom mask planned on an eager wrapper: the verify
+    graphs were captured for chains. The tree step's verify sees no graph runner and carries
+    `tree.custom_mask` over the committed prefixes; the block's graph is back afterwards."""
+    model_runner = runner()
+    seen = []
+
+    class TreeInput:
+        def __init__(self, **fields):
+            self.fields = fields
+
+        def prepare_for_verify(self, view, target_worker):
+            seen.append(("prepare", model_runner.attn_backend, self.fields["custom_mask"]))
+            return SimpleNamespace(), None
+
+    def forward(**_):
+        seen.append(("forward", model_runner.decode_cuda_graph_runner))
+        logits = SimpleNamespace(next_token_logits=torch.zeros(2 * 5, 7))
+        return SimpleNamespace(logits_output=logits, can_run_cuda_graph=False)
+
+    monkeypatch.setattr(worker_module, "TreeVerifyInput", TreeInput)
+    worker = bare_worker()
+    worker._target_worker = SimpleNamespace(
+        model_runner=model_runner, forward_batch_generation=forward
+    )
+    worker._verify_graphs = VerifyGraphs.build(model_runner, (1, 5, BLOCK), BLOCK, capture)
+    drafts = torch.tensor([[1, 10, 11, 12, 13]] * 2)
+    rows = build_tree(drafts, [SuffixProposal((20, 21), 2, 1), None], width=5, dflash_len=2)
+    batch = SimpleNamespace(has_grammar=False, sampling_info=None)
+    slots = BlockSlots(torch.zeros(10), torch.zeros(10), None, 5)
+    prefix = torch.tensor([6, 9])
+    worker.verify(batch, rows.tokens, slots, prefix + 5, rows=rows)
+    (_, backend, mask), forward_seen = seen
+    assert backend == "backend8" and forward_seen == ("forward", None)
+    assert torch.equal(mask, custom_mask(rows, prefix))
+    assert model_runner.decode_cuda_graph_runner == "graph8"
+
+
+def test_trees_need_a_target_backend_that_takes_their_mask():
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    flashinfer = SimpleNamespace(attn_backend=object.__new__(FlashInferAttnBackend))
+    assert platform.CUDA.tree_verify(flashinfer)
+    assert not platform.CUDA.tree_verify(SimpleNamespace(attn_backend="triton"))
+    assert platform.CPU.tree_verify(SimpleNamespace(attn_backend="dflash_cpu"))
+    worker = bare_worker()
+    worker.options = SimpleNamespace(tree="on")
+    assert worker._trees_run(SimpleNamespace(model_runner=flashinfer))
+    assert not worker._trees_run(SimpleNamespace(model_runner=runner()))
