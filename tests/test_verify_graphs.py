@@ -61,46 +61,13 @@ def test_every_other_width_is_captured_and_swapped_as_a_unit():
     )
 
 
-@pytest.mark.parametrize("width", [1, 2, BLOCK])
-def test_the_verify_forward_runs_in_its_widths_graph(monkeypatch, width):
+def recording_worker(monkeypatch, input_class: str, widths: tuple[int, ...]):
+    """A CUDA worker whose verify input (`input_class` in the worker module) and target
+    forward record the attention backend, custom mask and graph runner they see."""
     model_runner = runner()
     seen = []
 
     class VerifyInput:
-        def __init__(self, **_):
-            pass
-
-        def prepare_for_verify(self, view, target_worker):
-            seen.append(("prepare", model_runner.attn_backend))
-            return SimpleNamespace(), None
-
-    def forward(**_):
-        seen.append(("forward", model_runner.decode_cuda_graph_runner))
-        logits = SimpleNamespace(next_token_logits=torch.zeros(2 * width, 5))
-        return SimpleNamespace(logits_output=logits, can_run_cuda_graph=True)
-
-    monkeypatch.setattr(worker_module, "DFlashVerifyInput", VerifyInput)
-    worker = bare_worker()
-    worker._target_worker = SimpleNamespace(
-        model_runner=model_runner, forward_batch_generation=forward
-    )
-    worker._verify_graphs = VerifyGraphs.build(model_runner, (1, 2, BLOCK), BLOCK, capture)
-    batch = SimpleNamespace(has_grammar=False, sampling_info=None)
-    slots = BlockSlots(torch.zeros(2 * width), torch.zeros(2 * width), None, width)
-    candidates = torch.zeros(2, width, dtype=torch.int64)
-    worker.verify(batch, candidates, slots, torch.tensor([5 + width, 9 + width]))
-    assert seen == [("prepare", f"backend{width}"), ("forward", f"graph{width}")]
-    assert model_runner.decode_cuda_graph_runner == "graph8"
-
-
-def test_a_tree_verify_on_cuda_runs_eager_with_the_trees_custom_mask(monkeypatch):
-    """FlashInfer takes a tree only as a custom mask planned on an eager wrapper: the verify
-    graphs were captured for chains. The tree step's verify sees no graph runner and carries
-    `tree.custom_mask` over the committed prefixes; the block's graph is back afterwards."""
-    model_runner = runner()
-    seen = []
-
-    class TreeInput:
         def __init__(self, **fields):
             self.fields = fields
 
@@ -110,15 +77,34 @@ def test_a_tree_verify_on_cuda_runs_eager_with_the_trees_custom_mask(monkeypatch
 
     def forward(**_):
         seen.append(("forward", model_runner.decode_cuda_graph_runner))
-        logits = SimpleNamespace(next_token_logits=torch.zeros(2 * 5, 7))
-        return SimpleNamespace(logits_output=logits, can_run_cuda_graph=False)
+        logits = SimpleNamespace(next_token_logits=torch.zeros(1, 5))
+        return SimpleNamespace(logits_output=logits, can_run_cuda_graph=True)
 
-    monkeypatch.setattr(worker_module, "TreeVerifyInput", TreeInput)
+    monkeypatch.setattr(worker_module, input_class, VerifyInput)
     worker = bare_worker()
     worker._target_worker = SimpleNamespace(
         model_runner=model_runner, forward_batch_generation=forward
     )
-    worker._verify_graphs = VerifyGraphs.build(model_runner, (1, 5, BLOCK), BLOCK, capture)
+    worker._verify_graphs = VerifyGraphs.build(model_runner, widths, BLOCK, capture)
+    return worker, model_runner, seen
+
+
+@pytest.mark.parametrize("width", [1, 2, BLOCK])
+def test_the_verify_forward_runs_in_its_widths_graph(monkeypatch, width):
+    worker, model_runner, seen = recording_worker(monkeypatch, "DFlashVerifyInput", (1, 2, BLOCK))
+    batch = SimpleNamespace(has_grammar=False, sampling_info=None)
+    slots = BlockSlots(torch.zeros(2 * width), torch.zeros(2 * width), None, width)
+    candidates = torch.zeros(2, width, dtype=torch.int64)
+    worker.verify(batch, candidates, slots, torch.tensor([5 + width, 9 + width]))
+    assert seen == [("prepare", f"backend{width}", None), ("forward", f"graph{width}")]
+    assert model_runner.decode_cuda_graph_runner == "graph8"
+
+
+def test_a_tree_verify_on_cuda_runs_eager_with_the_trees_custom_mask(monkeypatch):
+    """FlashInfer takes a tree only as a custom mask planned on an eager wrapper: the verify
+    graphs were captured for chains. The tree step's verify sees no graph runner and carries
+    `tree.custom_mask` over the committed prefixes; the block's graph is back afterwards."""
+    worker, model_runner, seen = recording_worker(monkeypatch, "TreeVerifyInput", (1, 5, BLOCK))
     drafts = torch.tensor([[1, 10, 11, 12, 13]] * 2)
     rows = build_tree(drafts, [SuffixProposal((20, 21), 2, 1), None], width=5, dflash_len=2)
     batch = SimpleNamespace(has_grammar=False, sampling_info=None)
