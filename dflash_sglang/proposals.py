@@ -31,7 +31,10 @@ the target follows whichever it agrees with further, so with D_k = S_dflash[k-1]
 and P_k = S_src(p)[k-1] (k <= min(w-1-a, L_p)), taking the branches as independent:
   E_r(tree) = 1 + sum_k [1 - (1 - D_k)(1 - P_k)] = 1 + sum D_k + sum P_k - sum D_k P_k.
 Each branch's acceptance is observed on its own (the walk shows how far each agreed), so
-the statistics stay per source.
+the statistics stay per source. A tree step's verify may cost more than a chain's of the
+same width (GPU: it runs eager, FlashInfer's custom mask having no graph; CPU: no paged
+kernel), so tree steps stay out of the cost model's fit and are priced at its prediction
+times `tree_cost`, an EMA of their measured / predicted seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ SHARED = "shared"  # lookup over other requests' outputs
 TREE = "tree"  # the DFlash block and a suffix proposal as two branches of one tree
 SOURCES = (DFLASH, SUFFIX, SHARED, TREE)
 TREE_DFLASH_LENS = (1, 3)  # DFlash branch lengths a tree option may take
+TREE_COST_EMA = 0.1  # weight of one tree step's measured / predicted seconds in `tree_cost`
+TREE_COST_RANGE = (0.5, 10.0)  # one step's ratio is clipped to this (outliers)
 # A tree request's branches as the walk saw them: (DFlash accepted, DFlash offered,
 # suffix accepted, suffix offered); None for a request verified as a chain.
 Branches: TypeAlias = tuple[int, int, int, int] | None
@@ -168,6 +173,7 @@ class Planner:
         # Two-branch tree options (`tree.py`); "always": a request with a suffix proposal
         # takes a tree on every drafting step (comparisons, tests).
         self.tree = tree if not prefer_suffix else "off"
+        self.tree_cost = 1.0  # a tree step's seconds over the cost model's chain prediction
         self._current = _Option(self.widths[-1], self.widths[-1] > 1)
         self._picks = 0
         self._explore_turns = 0
@@ -223,12 +229,17 @@ class Planner:
                     best, taken, tree = value, p, True
             return best, taken, tree
 
+        has_tree: dict[_Option, bool] = {}  # an option some request would take as a tree
+
         def seconds(opt: _Option) -> float:
             drafted = bs * self.block_size if opt.run_draft else 0
-            return self.cost.predict(bs, bs * opt.width, drafted)
+            chain = self.cost.predict(bs, bs * opt.width, drafted)
+            return chain * self.tree_cost if has_tree.get(opt) else chain
 
         def score(opt: _Option) -> float:
-            return sum(1.0 + expected(opt, r)[0] for r in range(bs)) / seconds(opt)
+            picks = [expected(opt, r) for r in range(bs)]
+            has_tree[opt] = any(tree for _, _, tree in picks)
+            return sum(1.0 + e for e, _, _ in picks) / seconds(opt)
 
         options = self.options(any(proposals))
         chosen, explored = self._choose({opt: score(opt) for opt in options}, seconds)
@@ -325,4 +336,9 @@ class Planner:
     ) -> None:
         """A step of `plan` took `seconds`, `draft_seconds` of them the draft forward."""
         drafted = bs * self.block_size if plan.run_draft else 0
+        if plan.trees:  # priced apart: its verify is not a chain's (module docstring)
+            ratio = seconds / self.cost.predict(bs, bs * plan.width, drafted)
+            ratio = min(max(ratio, TREE_COST_RANGE[0]), TREE_COST_RANGE[1])
+            self.tree_cost += TREE_COST_EMA * (ratio - self.tree_cost)
+            return
         self.cost.observe(bs, bs * plan.width, drafted, seconds, draft_seconds)

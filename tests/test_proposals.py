@@ -371,3 +371,25 @@ def test_a_tree_step_observes_each_branch_in_its_own_statistics():
 def test_a_bad_tree_setting_is_refused():
     with pytest.raises(ValueError, match="tree must be on, off or always"):
         Planner(BLOCK, WIDTHS, CostModel(TRUE_COST), tree="yes")
+
+
+def test_tree_steps_priced_apart_by_their_measured_cost():
+    """A tree step that runs dearer than a chain of its width (GPU: eager verify) raises
+    `tree_cost` instead of bending the chain cost model, and the planner stops choosing
+    trees once they cost more than they bring; a chain step still trains the cost model."""
+    random.seed(0)
+    planner = _tree_planner(0.6, 0.6)
+    plan = planner.plan([_proposal(8), None])
+    assert plan.trees == (True, False)
+    chain_cost = planner.cost.predict(2, 2 * plan.width, 2 * BLOCK)
+    for _ in range(40):
+        planner.observe_seconds(plan, 2, 4.0 * chain_cost)
+    assert planner.cost.predict(2, 2 * plan.width, 2 * BLOCK) == chain_cost
+    assert 3.5 < planner.tree_cost <= 4.0
+    dear = planner.plan([_proposal(8), None])
+    assert not dear.trees
+    drafted = 2 * BLOCK if dear.run_draft else 0
+    assert dear.predicted_seconds == planner.cost.predict(2, 2 * dear.width, drafted)
+    chain = StepPlan(8, True, (None, None), 0.01)
+    planner.observe_seconds(chain, 2, 4.0 * chain_cost)
+    assert planner.cost.predict(2, 16, 2 * BLOCK) != chain_cost
