@@ -207,6 +207,73 @@ def _save(path: Path, **state) -> None:
     tmp.replace(path)
 
 
+def _resume(ckpt: Path, drafter: DFlashDrafter, opt, sched) -> int:
+    """The step a checkpoint left off at (0 without one); model, optimiser and schedule
+    restored to the bit."""
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, weights_only=False)
+    drafter.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+def _accumulate_batch(
+    cfg: TrainConfig,
+    drafter: DFlashDrafter,
+    embed: torch.nn.Embedding,
+    head: Head,
+    batch: Sequence[feature_cache.Example],
+    gamma: float,
+    anchor_gen: torch.Generator,
+    roller: Callable[[feature_cache.Example, torch.Tensor], Rollout] | None,
+) -> tuple[float, dict, int]:
+    """Gradients of one batch's mean block loss, one sequence at a time (bounded memory);
+    returns (loss, summed loss statistics, block tokens)."""
+    autocast = torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.bf16)
+    total_loss, stats, tokens = 0.0, {}, 0
+    for example in batch:
+        anchors = sample_anchors(example.loss_mask(), cfg.num_anchors, anchor_gen)
+        if len(anchors) == 0:
+            continue
+        rollout = roller(example, anchors) if roller else None  # outside autocast
+        with autocast:
+            loss, s = block_loss(
+                drafter,
+                embed,
+                head,
+                example,
+                anchors,
+                gamma,
+                cfg.distill,
+                target_labels=cfg.labels == "target",
+                consistent=cfg.consistent,
+                rollout=rollout,
+            )
+        (loss / len(batch)).backward()
+        total_loss += loss.item() / len(batch)
+        stats = {k: stats.get(k, 0) + s[k] for k in s}
+        tokens += len(anchors) * drafter.config.block_size
+    return total_loss, stats, tokens
+
+
+def _log_row(
+    step: int, steps_per_epoch: int, loss: float, stats: dict, lr: float, tokens_per_s: float
+) -> dict:
+    row = {
+        "step": step,
+        "epoch": step / steps_per_epoch,
+        "loss": loss,
+        "slot1_acc": stats.get("slot1_correct", 0) / max(1, stats.get("slot1_total", 0)),
+        "lr": lr,
+        "block_tokens_per_s": tokens_per_s,
+    }
+    if "later_total" in stats:  # share of slots ≥ 2 whose label stays on the path
+        row["later_kept"] = stats["later_kept"] / max(1, stats["later_total"])
+    return row
+
+
 def train(
     cfg: TrainConfig,
     drafter: DFlashDrafter,
@@ -234,73 +301,35 @@ def train(
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
-    step = 0
     ckpt = out / "checkpoint.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        step = state["step"]
+    step = _resume(ckpt, drafter, opt, sched)
+    if step:
         log(f"resumed at step {step}/{total}")
     end = min(total, cfg.max_steps if cfg.max_steps is not None else total)
-    autocast = torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.bf16)
     bar = tqdm(total=end, initial=step, desc="train", unit="step", dynamic_ncols=True)
     with (out / "train_log.jsonl").open("a") as log_file:
         while step < end:
             epoch, offset = divmod(step, steps_per_epoch)
             order = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
             batches = feature_cache.batch_indices(len(examples), cfg.batch_size, order)
-            for indices in batches[offset:]:
-                if step >= end:
-                    break
+            for indices in batches[offset : offset + end - step]:  # the last epoch stops at end
                 started = time.monotonic()
                 anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
                 opt.zero_grad(set_to_none=True)
-                total_loss, stats, tokens = 0.0, {}, 0
                 batch = [examples[j] for j in indices]
-                for example in batch:
-                    anchors = sample_anchors(example.loss_mask(), cfg.num_anchors, anchor_gen)
-                    if len(anchors) == 0:
-                        continue
-                    rollout = roller(example, anchors) if roller else None  # outside autocast
-                    with autocast:
-                        loss, s = block_loss(
-                            drafter,
-                            embed,
-                            head,
-                            example,
-                            anchors,
-                            gamma,
-                            cfg.distill,
-                            target_labels=cfg.labels == "target",
-                            consistent=cfg.consistent,
-                            rollout=rollout,
-                        )
-                    (loss / len(batch)).backward()
-                    total_loss += loss.item() / len(batch)
-                    stats = {k: stats.get(k, 0) + s[k] for k in s}
-                    tokens += len(anchors) * drafter.config.block_size
+                loss, stats, tokens = _accumulate_batch(
+                    cfg, drafter, embed, head, batch, gamma, anchor_gen, roller
+                )
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 opt.step()
                 sched.step()
                 step += 1
-                seconds = time.monotonic() - started
-                acc = stats.get("slot1_correct", 0) / max(1, stats.get("slot1_total", 0))
-                row = {
-                    "step": step,
-                    "epoch": step / steps_per_epoch,
-                    "loss": total_loss,
-                    "slot1_acc": acc,
-                    "lr": sched.get_last_lr()[0],
-                    "block_tokens_per_s": tokens / seconds,
-                }
-                if "later_total" in stats:  # share of slots ≥ 2 whose label stays on the path
-                    row["later_kept"] = stats["later_kept"] / max(1, stats["later_total"])
+                tok_s = tokens / (time.monotonic() - started)
+                row = _log_row(step, steps_per_epoch, loss, stats, sched.get_last_lr()[0], tok_s)
                 log_file.write(json.dumps(row) + "\n")
                 bar.update(1)
                 bar.set_postfix(
-                    loss=f"{total_loss:.3f}", acc1=f"{acc:.2f}", tok_s=f"{tokens / seconds:.0f}"
+                    loss=f"{loss:.3f}", acc1=f"{row['slot1_acc']:.2f}", tok_s=f"{tok_s:.0f}"
                 )
                 if step % cfg.save_every == 0 or step == end:
                     log_file.flush()
