@@ -66,3 +66,28 @@ def test_a_restricted_vocabulary_with_prompt_tokens_walks_as_the_reference_loop(
             assert walk[:-1] == gen.acceptance_lengths[:-1]
         taus[cap] = evaluate.teacher_forced(drafter, embed, weight, examples, cap)["tau"]
     assert taus[0] == 1.0 and taus[256] > 1.0
+
+
+def test_the_walk_at_another_block_size_retraces_the_reference_loop_at_it(half_models):
+    """A drafter served with a block other than its own (`--speculative-dflash-block-size`):
+    the walk over cached features at that size retraces the reference loop's steps at it."""
+    target = AutoModelForCausalLM.from_pretrained(half_models["target"], dtype=torch.float32)
+    drafter = DFlashDrafter.load(half_models["draft"]).eval()
+    trained = drafter.config.block_size
+    small = evaluate.at_block_size(drafter, 2)
+    assert small.config.block_size == 2 and drafter.config.block_size == trained
+    decoder = ReferenceDecoder(target.eval(), drafter)
+    head = Head(target.lm_head.weight.detach(), drafter.draft_vocab_ids)
+    embed = target.get_input_embeddings()
+    layers = list(drafter.config.target_layer_ids)
+    examples = []
+    for prompt in PROMPTS:
+        gen = decoder.generate(prompt, 48, block_size=2)
+        sample = {"prompt_ids": prompt, "response_ids": gen.tokens}
+        examples.append(features.extract(target, sample, layers, max_len=4096))
+        walk = evaluate.decode_walk(small, embed, head, examples[-1], chunk=5)
+        assert walk[:-1] == gen.acceptance_lengths[:-1]
+        assert max(gen.acceptance_lengths) <= 2
+    weight = target.lm_head.weight.detach()
+    result = evaluate.teacher_forced(drafter, embed, weight, examples, 0, block_size=2)
+    assert len(result["histogram"]) == 2 and 1.0 < result["tau"] <= 2.0

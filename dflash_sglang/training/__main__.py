@@ -283,7 +283,9 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     except CheckpointError as e:
         raise CliError(f"--drafter: {e}") from e
     if a.features_dir:
-        report = _teacher_forced(a.features_dir, target_dir, drafter_dir, a.prompt_vocab)
+        report = _teacher_forced(
+            a.features_dir, target_dir, drafter_dir, a.prompt_vocab, a.block_size
+        )
     else:
         report = evaluate.run(
             target_dir,
@@ -305,13 +307,22 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 
 def _teacher_forced(
-    features_dir: str, target_dir: Path, drafter_dir: Path, prompt_vocab: int
+    features_dir: str,
+    target_dir: Path,
+    drafter_dir: Path,
+    prompt_vocab: int,
+    block_size: int | None = None,
 ) -> dict:
     from dflash_sglang.drafter import DFlashDrafter
     from dflash_sglang.training import evaluate, features
 
     source = _existing_dir("--features-dir", features_dir)
     drafter = DFlashDrafter.load(drafter_dir).eval()
+    if block_size is not None:
+        try:
+            drafter = evaluate.at_block_size(drafter, block_size)
+        except ValueError as e:
+            raise CliError(f"--block-size: {e}") from e
     try:
         features.check_layers(source, list(drafter.config.target_layer_ids))
     except ValueError as e:
@@ -325,7 +336,12 @@ def _teacher_forced(
         examples,
         prompt_vocab,
     )
-    return {"drafter": str(drafter_dir), "features": str(source), "teacher_forced": result}
+    return {
+        "drafter": str(drafter_dir),
+        "features": str(source),
+        "block_size": drafter.config.block_size,
+        "teacher_forced": result,
+    }
 
 
 def cmd_yardstick(a: argparse.Namespace) -> None:

@@ -7,8 +7,10 @@ prompts, so both columns use one definition.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import requests
@@ -156,18 +158,36 @@ def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -
     return steps
 
 
+def at_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
+    """`drafter` drafting blocks of `block_size` (anchor + MASKs) instead of its trained
+    size, as a server run with `--speculative-dflash-block-size` drafts them; the same
+    weights, the caller's drafter untouched."""
+    if block_size < 2:
+        raise ValueError(f"block size must be at least 2, got {block_size}")
+    if block_size == drafter.config.block_size:
+        return drafter
+    resized = copy.copy(drafter)
+    resized.config = replace(drafter.config, block_size=block_size)
+    return resized
+
+
 def teacher_forced(
     drafter: DFlashDrafter,
     embed,
     lm_head_weight,
     examples,
     prompt_vocab: int = DEFAULT_PROMPT_VOCAB,
+    block_size: int | None = None,
 ) -> dict:
     """τ and histogram of greedy decoding over cached features of the target's own greedy
     output (`decode_walk`): the reference loop's numbers without running the target, for
     comparing training runs on held-out prompts. `prompt_vocab` as the reference loop's
-    (a restricted vocabulary plus each prompt's own tokens)."""
+    (a restricted vocabulary plus each prompt's own tokens); `block_size` as
+    `at_block_size`."""
     import torch
+
+    if block_size is not None:
+        drafter = at_block_size(drafter, block_size)
 
     from dflash_sglang.draft_vocab import prompt_extra
     from dflash_sglang.training.train import Head
