@@ -60,9 +60,6 @@ ARMS = {
     # drafting step of a request with a suffix proposal.
     "tree": [*WARM, "--dflash-tree", "on"],
     "tree_always": [*WARM, "--dflash-tree", "always"],
-    # The default launch with an 8-token block (the drafter trained at 16): half the draft
-    # forward, candidate widths up to 8.
-    "dx_block8": [*WARM, "--speculative-dflash-block-size", "8"],
     # Diagnostics for the cost of width 1: plain decoding without SGLang's overlap loop
     # (DFLASH_X runs without it on CPU), and DFLASH_X pinned to plain-decoding steps.
     "ar_no_overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
