@@ -24,21 +24,18 @@ def test_embedded_default_answers_a_chat_completion(converted, tmp_path):
     target, _ = converted
     server = Server(["--dflash-cache-dir", str(target.parent)], tmp_path / "serve.log", threads=2)
     try:
-        body = {
-            "model": "default",
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 16,
-            "temperature": 0,
-        }
-        assert "Paris" in chat(server.url, body)
-        # README's curl sets no temperature: the model card's defaults (T=0.2, top-p 0.9) apply,
-        # not T=1. Sampled and unseeded, so judged over 20 requests, on a question whose first
-        # token is not a near tie ("France" is: "The" 0.73 / "L" 0.21 at T=0.2 in bf16, so
-        # its answers say Paris only ~70% of the time at the defaults, with any attention
-        # kernel or even without speculation). Measured "Shakespeare" in 30/30 answers with
-        # the defaults and 14/30 at T=1: >= 18/20 passes with p > 0.9 under the defaults and
-        # fails with p > 0.999 at T=1.
+        # A question whose first token is not a near tie. "What is the capital of France?" is
+        # one ("The" 0.73 / "L" 0.21 at T=0.2 in bf16, ~0.25 nats apart at T=1): greedy,
+        # it answered Paris on CPUs with AMX and "L'Étoile, la Marseillaise, ..." on one with
+        # AVX-512 BF16 only, the drafter (v13 or v14) playing no part (the first token is
+        # the prefill's).
         question = [{"role": "user", "content": "Who wrote Romeo and Juliet?"}]
+        greedy = {"model": "default", "messages": question, "max_tokens": 32, "temperature": 0}
+        assert "Shakespeare" in chat(server.url, greedy)
+        # README's curl sets no temperature: the model card's defaults (T=0.2, top-p 0.9) apply,
+        # not T=1. Sampled and unseeded, so judged over 20 requests. Measured "Shakespeare" in
+        # 30/30 answers with the defaults and 14/30 at T=1: >= 18/20 passes with p > 0.9
+        # under the defaults and fails with p > 0.999 at T=1.
         readme = {"model": "default", "messages": question, "max_tokens": 32}
         with ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(lambda _: chat(server.url, readme), range(20)))
