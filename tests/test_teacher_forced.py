@@ -4,6 +4,7 @@ walk over cached features retraces the decode's steps."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -76,6 +77,8 @@ def test_the_walk_at_another_block_size_retraces_the_reference_loop_at_it(half_m
     trained = drafter.config.block_size
     small = evaluate.at_block_size(drafter, 2)
     assert small.config.block_size == 2 and drafter.config.block_size == trained
+    with pytest.raises(ValueError, match="block size must be at least 2"):
+        evaluate.at_block_size(drafter, 1)  # `evaluate --block-size 1`: named, nothing run
     decoder = ReferenceDecoder(target.eval(), drafter)
     head = Head(target.lm_head.weight.detach(), drafter.draft_vocab_ids)
     embed = target.get_input_embeddings()
