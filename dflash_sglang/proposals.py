@@ -229,21 +229,21 @@ class Planner:
                     best, taken, tree = value, p, True
             return best, taken, tree
 
-        has_tree: dict[_Option, bool] = {}  # an option some request would take as a tree
+        picks_of = {
+            opt: [expected(opt, r) for r in range(bs)] for opt in self.options(any(proposals))
+        }
 
         def seconds(opt: _Option) -> float:
+            """Predicted step time; priced as a tree when some request would take one."""
             drafted = bs * self.block_size if opt.run_draft else 0
             chain = self.cost.predict(bs, bs * opt.width, drafted)
-            return chain * self.tree_cost if has_tree.get(opt) else chain
+            return chain * self.tree_cost if any(t for _, _, t in picks_of[opt]) else chain
 
-        def score(opt: _Option) -> float:
-            picks = [expected(opt, r) for r in range(bs)]
-            has_tree[opt] = any(tree for _, _, tree in picks)
-            return sum(1.0 + e for e, _, _ in picks) / seconds(opt)
-
-        options = self.options(any(proposals))
-        chosen, explored = self._choose({opt: score(opt) for opt in options}, seconds)
-        picks = [expected(chosen, r) for r in range(bs)]
+        scores = {
+            opt: sum(1.0 + e for e, _, _ in picks) / seconds(opt) for opt, picks in picks_of.items()
+        }
+        chosen, explored = self._choose(scores, seconds)
+        picks = picks_of[chosen]
         taken = tuple(p for _, p, _ in picks)
         trees = tuple(tree for _, _, tree in picks) if chosen.tree_dflash else ()
         any_tree = any(trees)
