@@ -35,6 +35,14 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def crop_to(cache, length: int) -> None:
+    """Drop a HF cache's positions from `length` on, passed as a (negative) count to remove:
+    the absolute `crop(length)` is deprecated in transformers 5 and warns on every run."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
     """Target tokens for each position: argmax, or one exact sample per position."""
     if temperature <= 0:
@@ -116,7 +124,7 @@ class ReferenceDecoder:
             out += [*block[1 : acc + 1].tolist(), int(post[acc])]
             gen.acceptance_lengths.append(acc + 1)
             start += acc + 1
-            cache.crop(start)
+            crop_to(cache, start)
             context = torch.cat([context, features[: acc + 1]])
         gen.tokens = _truncate(out, max_new_tokens, stop_ids)
         return gen

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_sglang.reference import crop_to
 from dflash_sglang.training.features import Example
 
 
@@ -91,8 +92,7 @@ class Roller:
                 hidden.append(out.last_hidden_state[0])
                 tokens.append(self._choose(hidden[-1]))
         finally:
-            if cache.get_seq_length() > seq_len:
-                cache.crop(seq_len - cache.get_seq_length())
+            crop_to(cache, seq_len)
         path_tokens = torch.stack(tokens, dim=1)
         return Rollout(
             tokens=path_tokens,
