@@ -21,8 +21,9 @@ a sampled batch accept exactly as `greedy_accept` does. The cut is found by bise
 the float bit patterns of the threshold (exact), then over token ids inside a tied group.
 Exact up to fp32 rounding: masses are summed in another order than torch's cumsum, so a
 coin or draw within ~1e-6 of a probability or CDF boundary may resolve differently, as may
-a token whose mass before it is within rounding of top_p (top_p=1: torch's cumsum reaches
-1.0 before a long tail ends and drops tokens of p < 1e-6 that the kernel keeps).
+a token whose mass before it is within rounding of top_p (top_p=1 beside top-k or min-p:
+torch's cumsum reaches 1.0 before a long tail ends and drops tokens of p < 1e-6 that the
+kernel keeps).
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dflash_sglang import acceptance
@@ -118,3 +119,35 @@ def test_assemble_candidates_leaves_the_drafts_untouched():
     out = assemble_candidates(drafts, [_suffix(40, 41, 42), _suffix(50)], 4, 0)
     assert out.tolist() == [[5, 40, 41, 42], [6, 50, 2, 3]]
     assert torch.equal(drafts, before)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (the cut beyond the head) .. sharp
+def test_sampling_probs_head_path_equals_the_full_sort(monkeypatch, scale):
+    """Rows filtered within the top FILTER_HEAD + 1 tokens skip the full sort; the rest take
+    it. Either way the result is the full sort's, ties included (lower id first)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 24, 3000
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    logits[::4, 1:40] = logits[::4, :1]  # a tied group at the top of some rows
+    logits[1::4, 200:300] = 9.0  # ... a larger one inside the head
+    logits[2::4, ::7] = 12.0  # ... and one across its boundary: topk picks among it arbitrarily
+    temps = torch.full((rows,), 0.7)
+    top_ks = torch.tensor([vocab, 5, 100, 1 << 30, 300, 1] * 4)
+    top_ps = torch.tensor([0.9, 1.0, 0.5, 0.99, 1.0, 0.3] * 4)
+    min_ps = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.01, 0.0] * 4)
+    fast = acceptance.sampling_probs(logits, temps, top_ks, top_ps, min_ps)
+    kept = (fast > 0).sum(-1)
+    assert (kept > acceptance.FILTER_HEAD).any() or scale > 0.05  # full sort taken on some
+    assert (kept <= acceptance.FILTER_HEAD).any()  # ... and the head path on others
+    monkeypatch.setattr(acceptance, "FILTER_HEAD", vocab)
+    full = acceptance.sampling_probs(logits, temps, top_ks, top_ps, min_ps)
+    assert ((fast > 0) == (full > 0)).all()
+    torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-7)
+
+
+def test_sampling_probs_unfiltered_rows_are_the_softmax():
+    logits = torch.randn(3, 500)
+    probs = acceptance.sampling_probs(
+        logits, torch.ones(3), torch.full((3,), 1 << 30), torch.ones(3), torch.zeros(3)
+    )
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
