@@ -117,7 +117,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: dict) -> dict:
     """Output tokens and seconds over `prompts` at `concurrency`, and the counter deltas;
-    `sampling`: the request's `max_new_tokens` and `ignore_eos`."""
+    `sampling`: the request's sampling parameters (`max_new_tokens`, `ignore_eos`, ...)."""
     before = server_metrics.scrape(server.url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -206,6 +206,10 @@ def parse_args() -> argparse.Namespace:
         help="every reply runs to --max-new-tokens: all arms decode the same number of "
         "tokens and batches shrink only when the slice ends, not as replies finish",
     )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="requests' temperature (0: greedy)"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="requests' top_p")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
     ap.add_argument(
@@ -226,6 +230,10 @@ def parse_args() -> argparse.Namespace:
         bad = [v for v in value if v not in allowed]
         if bad:
             ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    if args.temperature < 0:
+        ap.error(f"--temperature: must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p: must be in (0, 1], got {args.top_p}")
     if (BASE in args.arms) != (args.base is not None):
         ap.error(f"--base: needed by, and only by, arms named ARM{BASE}")
     if args.base is not None:
@@ -300,7 +308,12 @@ def main() -> None:
         warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
         for server in servers.values():  # unmeasured
             run(server, [warm_up], 1, {"max_new_tokens": 16})
-        sampling = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+        sampling = {
+            "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+        }
         offset = 0
         for c in levels:
             for name, prompts in sets.items():
