@@ -131,10 +131,13 @@ def sampling_probs(
     if filtered.all():  # the common case: one sampling setting for every row
         return _filtered(probs, top_ks, top_ps, min_ps)
     rows = filtered.nonzero().squeeze(1)
-    probs[rows] = _filtered(
-        probs[rows], top_ks[rows], top_ps[rows], None if min_ps is None else min_ps[rows]
-    )
+    probs[rows] = _filtered(probs[rows], *_of_rows(rows, top_ks, top_ps, min_ps))
     return probs
+
+
+def _of_rows(rows: torch.Tensor, top_ks, top_ps, min_ps) -> tuple:
+    """The filter parameters of `rows` only (min_ps may be None)."""
+    return top_ks[rows], top_ps[rows], None if min_ps is None else min_ps[rows]
 
 
 def _keep(ranked: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
@@ -166,7 +169,7 @@ def _filtered(probs: torch.Tensor, top_ks, top_ps, min_ps) -> torch.Tensor:
     if pending.any():
         rows = pending.nonzero().squeeze(1)
         ranked, order = probs[rows].sort(dim=-1, descending=True, stable=True)
-        keep = _keep(ranked, top_ks[rows], top_ps[rows], None if min_ps is None else min_ps[rows])
+        keep = _keep(ranked, *_of_rows(rows, top_ks, top_ps, min_ps))
         out[rows] = torch.zeros_like(ranked).scatter_(1, order, _normalised(ranked, keep))
     return out
 
