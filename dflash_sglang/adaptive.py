@@ -44,22 +44,28 @@ class AcceptanceStats:
     accepted `a` reached slots 0..a (0..a-1 accepted, slot a rejected if a < n) and says
     nothing about slots beyond, so a narrow width never drags the wide slots' estimates down.
 
-    Each slot's weight on a new observation is max(1 - decay, 1 / (n + 2)) after n earlier
-    ones: a running mean (the prior counting as one observation) until the EMA's horizon
-    is reached, so a fresh server learns its drafter in tens of steps, not hundreds.
+    Each slot's weight on a new observation is max(1 - decay, 1 / (n + 1 + prior_weight))
+    after n earlier ones: a running mean (the prior counting as `prior_weight` observations)
+    until the EMA's horizon is reached, so a fresh server learns its drafter in tens of
+    steps, not hundreds.
 
     Slots never reached yet follow the deepest reached one instead of keeping the prior: a
     source seen accepting up to slot k likely accepts beyond it, and a pessimistic prior on
     the wide slots would keep the planner from ever trying the width that measures them.
     """
 
-    def __init__(self, num_slots: int, prior: float = 0.5, decay: float = 0.98):
+    def __init__(
+        self, num_slots: int, prior: float = 0.5, decay: float = 0.98, prior_weight: float = 1.0
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior must be in [0, 1], got {prior}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if prior_weight <= 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self._prior_weight = float(prior_weight)
         self._rates = [float(prior)] * num_slots
         self._counts = [0] * num_slots  # observations that reached each slot
         self._decay = decay
@@ -93,7 +99,7 @@ class AcceptanceStats:
             self._rates[self._reached :] = [tail] * (len(self._rates) - self._reached)
 
     def _update(self, k: int, outcome: float) -> None:
-        weight = max(1.0 - self._decay, 1.0 / (self._counts[k] + 2))
+        weight = max(1.0 - self._decay, 1.0 / (self._counts[k] + 1 + self._prior_weight))
         self._rates[k] += weight * (outcome - self._rates[k])
         self._counts[k] += 1
 

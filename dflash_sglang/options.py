@@ -34,7 +34,7 @@ class SpecOptions:
     suffix_max_proposal: int | None = None  # None: block size - 1
     suffix_shared: int = DEFAULT_SHARED_TOKENS  # recent outputs the shared lookup holds; 0: off
     suffix_warm: str = ""  # a corpus (`suffix_corpus`) the shared lookup starts from; "": cold
-    explore_every: int = 50  # planner steps between exploratory widths; 0: never
+    explore_every: int = 25  # planner steps between exploratory widths; 0: never
     explore_budget: float = 0.01  # share of step time exploration may add
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
     defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
@@ -249,9 +249,10 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--dflash-explore-every",
         type=_non_negative("--dflash-explore-every"),
-        default=50,
-        help="every N steps the adaptive planner tries a neighbouring width, so its cost "
-        "model and acceptance estimates stay current (default 50; 0: never)",
+        default=SpecOptions.explore_every,
+        help="at most every N steps the adaptive planner tries a neighbouring width, when "
+        "its exploration budget covers it, so its cost model and acceptance estimates stay "
+        "current (default %(default)s; 0: never)",
     )
     group.add_argument(
         "--dflash-explore-budget",

@@ -9,13 +9,25 @@ each request taking the source it expects more from at that width, and keeps the
 option unless another beats it by the hysteresis margin. Pure Python: the worker feeds it
 host-side counts.
 
-Options it does not pick are measured by exploration: every `explore_every` picks a
-neighbouring drafting width runs instead, and an explored step that accepted more than
+Options it does not pick are measured by exploration: at most every `explore_every` picks
+a neighbouring drafting width runs instead, and an explored step that accepted more than
 predicted is explored again on the next pick, so a drafter that starts hitting again is
 measured in a burst of steps (an EMA moves little per step) rather than one per
 `explore_every`; one that keeps missing costs a single step per period. Exploration only
-spends an earned budget: its extra predicted time stays under `explore_budget` (1%) of the
-time of the steps it chose to exploit.
+spends an earned budget, `explore_budget` (1%) of the time of the steps it chose to
+exploit: an explored step is charged its extra time, as measured, and refunded the tokens it
+emitted beyond what the displaced option expected, at that option's seconds per token. So
+a drafter that misses is measured about once per 1% of step time, and one that hits pays
+for its own measurement and is measured as often as `explore_every` allows. (Charged its
+predicted time alone, an isolated drafting step cost ~2x what the fit said; and with no
+refund, a drafter accepting 45% of its first slots, unlucky at a reply's opening, was
+measured once per ~70 steps at one request and stayed on plain decoding for whole runs.)
+The first `SETTLE_STEPS` steps timed after the drafter turns on or off are left out of the
+cost fit: caches are cold for a few steps (at one request on this CPU the first drafting
+step after plain ones took ~2 ms more in the drafter and ~4 ms more outside it, the next
+two +1.5-4 ms, then none; the first plain step after drafting up to +9 ms), and fitted as
+if every step paid that, short exploring bursts priced drafting at ~1.6x a plain step
+where steps in a long run cost ~1.35x. The exploration budget pays these steps as measured.
 
 Expected emitted tokens for request r at width w (notation of `adaptive`):
   E_r(w) = 1 + max(S_dflash[:w-1].sum() if the draft runs,
@@ -55,6 +67,14 @@ SOURCES = (DFLASH, SUFFIX, SHARED, TREE)
 TREE_DFLASH_LENS = (1, 3)  # DFlash branch lengths a tree option may take
 TREE_COST_EMA = 0.1  # weight of one tree step's measured / predicted seconds in `tree_cost`
 TREE_COST_RANGE = (0.5, 10.0)  # one step's ratio is clipped to this (outliers)
+# Observations the DFlash prior counts as. Each one costs a draft forward, and once plain
+# decoding wins they come only from exploration (~1 in 70 steps at one request): at 1, one
+# early miss took every slot from 0.5 to 0.25, and a drafter accepting 45% of its first
+# slots ran plain decoding for whole requests (a closed-loop simulation of a one-request CPU
+# server: 0.97-1.20x plain decoding over seeds; at 8: 1.14-1.20x; README).
+DFLASH_PRIOR_WEIGHT = 8.0
+# Timed steps the cost fit leaves out after the drafter turns on or off (module docstring).
+SETTLE_STEPS = 3
 # A tree request's branches as the walk saw them: (DFlash accepted, DFlash offered,
 # suffix accepted, suffix offered); None for a request verified as a chain.
 Branches: TypeAlias = tuple[int, int, int, int] | None
@@ -75,6 +95,9 @@ class StepPlan:
     suffix: tuple[SuffixProposal | None, ...]  # per request: the suffix proposal it takes
     predicted_seconds: float
     explored: bool = False  # chosen to measure, not because it scored best
+    # An explored step's alternative: the option it displaced, (expected emitted tokens,
+    # predicted seconds); what the step emits beyond it is refunded to the budget.
+    displaced: tuple[float, float] = (0.0, 0.0)
     proposals: tuple[tuple[SuffixProposal, ...], ...] = ()  # every request's, taken or not
     tree_dflash: int = 0  # DFlash branch length of tree requests (0: a chain step)
     trees: tuple[bool, ...] = ()  # per request: verified as a tree (its suffix proposal beside)
@@ -150,17 +173,18 @@ class Planner:
         cost: CostModel,
         max_match: int = 4,
         hysteresis: float = 0.05,
-        explore_every: int = 50,
+        explore_every: int = 25,
         prefer_suffix: bool = False,
         explore_budget: float = 0.01,
         tree: str = "off",
+        dflash_prior_weight: float = DFLASH_PRIOR_WEIGHT,
     ) -> None:
         if not widths or min(widths) < 1 or max(widths) > block_size:
             raise ValueError(f"widths must lie in [1, {block_size}], got {list(widths)}")
         self.block_size = block_size
         self.widths = tuple(sorted(set(widths)))
         self.cost = cost
-        self.dflash = AcceptanceStats(block_size - 1)
+        self.dflash = AcceptanceStats(block_size - 1, prior_weight=dflash_prior_weight)
         self.suffix = [AcceptanceStats(block_size - 1) for _ in range(max_match)]  # by match length
         self.shared = [AcceptanceStats(block_size - 1) for _ in range(max_match)]
         self.hysteresis = hysteresis
@@ -176,6 +200,9 @@ class Planner:
         self.tree_cost = 1.0  # a tree step's seconds over the cost model's chain prediction
         self._current = _Option(self.widths[-1], self.widths[-1] > 1)
         self._picks = 0
+        self._last_explored = 0  # the pick that last explored
+        self._last_drafted: bool | None = None  # whether the last step timed ran the drafter
+        self._settling = 0  # timed steps left before the fit takes them (`SETTLE_STEPS`)
         self._explore_turns = 0
         self._explore_again: _Option | None = None  # an explored option that beat its prediction
 
@@ -243,6 +270,10 @@ class Planner:
             opt: sum(1.0 + e for e, _, _ in picks) / seconds(opt) for opt, picks in picks_of.items()
         }
         chosen, explored = self._choose(scores, seconds)
+        displaced = (0.0, 0.0)
+        if explored:
+            t = seconds(self._current)
+            displaced = (scores[self._current] * t, t)
         picks = picks_of[chosen]
         taken = tuple(p for _, p, _ in picks)
         trees = tuple(tree for _, _, tree in picks) if chosen.tree_dflash else ()
@@ -253,6 +284,7 @@ class Planner:
             suffix=taken,
             predicted_seconds=seconds(chosen),
             explored=explored,
+            displaced=displaced,
             proposals=tuple(proposals),
             tree_dflash=chosen.tree_dflash if any_tree else 0,
             trees=trees if any_tree else (),
@@ -274,12 +306,13 @@ class Planner:
         candidate = None
         if again in scores and again != current:
             candidate = again
-        elif self.explore_every and self._picks % self.explore_every == 0:
+        elif self.explore_every and self._picks - self._last_explored >= self.explore_every:
             candidate = self._neighbour(current)
         if candidate is not None and candidate in scores and candidate != current:
             extra = max(seconds(candidate) - seconds(current), 0.0)
             if extra <= self._credit:
                 self._credit -= extra
+                self._last_explored = self._picks
                 self._explore_turns += candidate != again
                 return candidate, True
         self._credit += self.explore_budget * seconds(current)
@@ -325,6 +358,13 @@ class Planner:
                     continue
                 surprise += n_acc - stats.expected_accepted(offered)
                 stats.observe(n_acc, offered)
+        if plan.explored:
+            # Settle the budget on what the step emitted: it was charged its extra time, and
+            # emitting more than the option it displaced buys that time back (a drafter
+            # hitting again pays for its own measurement, so its burst is not cut short).
+            tokens, seconds = plan.displaced
+            emitted = sum(n + 1 for n in accepted)
+            self._credit += (emitted - tokens) * seconds / tokens
         if plan.explored and surprise > 0.0:
             self._explore_again = _Option(plan.width, plan.width > 1)  # as `_neighbour` made it
 
@@ -336,6 +376,13 @@ class Planner:
     ) -> None:
         """A step of `plan` took `seconds`, `draft_seconds` of them the draft forward."""
         drafted = bs * self.block_size if plan.run_draft else 0
+        if plan.explored:  # charged its predicted extra time: settle on the measured one
+            self._credit -= seconds - plan.predicted_seconds
+        if plan.run_draft != self._last_drafted:  # cold caches for a few steps (module doc)
+            self._last_drafted, self._settling = plan.run_draft, SETTLE_STEPS
+        if self._settling:
+            self._settling -= 1
+            return
         if plan.trees:  # priced apart: its verify is not a chain's (module docstring)
             ratio = seconds / self.cost.predict(bs, bs * plan.width, drafted)
             ratio = min(max(ratio, TREE_COST_RANGE[0]), TREE_COST_RANGE[1])

@@ -66,6 +66,13 @@ def test_a_running_mean_until_the_ema_horizon_then_the_ema():
     assert stats.rates[0] == pytest.approx(0.5 / 9 + 0.1 * (1 - 0.5 / 9))
 
 
+def test_a_prior_weighing_several_observations_moves_less_per_observation():
+    stats = AcceptanceStats(1, prior=0.5, prior_weight=4)
+    for _ in range(2):  # weights 1/5, 1/6: the mean of 4 prior observations and 2 rejections
+        stats.observe(accepted=0, offered=1)
+    assert stats.rates[0] == pytest.approx(0.5 * 4 / 6)
+
+
 @pytest.mark.parametrize("accepted, offered", [(3, 2), (-1, 2), (0, 5), (1, -1)])
 def test_observe_rejects_impossible_counts(accepted, offered):
     with pytest.raises(ValueError, match="accepted"):
@@ -74,7 +81,12 @@ def test_observe_rejects_impossible_counts(accepted, offered):
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"num_slots": 0}, "num_slots"), ({"prior": 1.5}, "prior"), ({"decay": 1.0}, "decay")],
+    [
+        ({"num_slots": 0}, "num_slots"),
+        ({"prior": 1.5}, "prior"),
+        ({"decay": 1.0}, "decay"),
+        ({"prior_weight": 0.0}, "prior_weight"),
+    ],
 )
 def test_acceptance_stats_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):

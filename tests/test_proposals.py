@@ -5,7 +5,17 @@ import random
 import pytest
 
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
-from dflash_sglang.proposals import DFLASH, SHARED, SUFFIX, TREE, Planner, StepPlan, _Option
+from dflash_sglang.proposals import (
+    DFLASH,
+    DFLASH_PRIOR_WEIGHT,
+    SETTLE_STEPS,
+    SHARED,
+    SUFFIX,
+    TREE,
+    Planner,
+    StepPlan,
+    _Option,
+)
 from dflash_sglang.suffix import SuffixProposal
 
 BLOCK = 16
@@ -57,7 +67,8 @@ def _proposal(n: int, match_len: int = 4) -> SuffixProposal:
 
 
 def test_a_drafter_that_never_hits_converges_to_plain_decoding():
-    plans = _closed_loop(Planner(BLOCK, WIDTHS, CostModel(TRUE_COST)), [0.0] * 200)
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    plans = _closed_loop(planner, [0.0] * 200)
     assert plans[0].width > 1  # the prior acceptance first makes speculation look worthwhile
     first = next(t for t, p in enumerate(plans) if p.width == 1)
     assert first < 20
@@ -65,7 +76,7 @@ def test_a_drafter_that_never_hits_converges_to_plain_decoding():
     assert {(p.width, p.run_draft) for p in after if not p.explored} == {(1, False)}
     # Exploring from plain decoding tries the next width up, once per `explore_every` picks.
     assert {(p.width, p.run_draft) for p in after if p.explored} == {(2, True)}
-    assert sum(p.explored for p in after) <= len(after) // 50 + 1
+    assert sum(p.explored for p in after) <= len(after) // planner.explore_every + 1
 
 
 def test_exploration_rediscovers_a_drafter_that_hits_again():
@@ -191,10 +202,24 @@ def test_observe_credits_each_source_and_match_length():
     planner.observe(plan, [5, 0, 7])
     assert [s.observations for s in planner.suffix] == [0, 1, 0, 1]
     assert planner.dflash.observations == 1
-    # A slot's first observation weighs 1/2 against the 0.5 prior.
+    # A suffix slot's first observation weighs 1/2 against the 0.5 prior, a DFlash slot's
+    # 1/9 (its prior counts as DFLASH_PRIOR_WEIGHT = 8 observations).
     assert planner.suffix[1].rates[:3] == pytest.approx([0.75] * 3)  # accepted 3 of 3
     assert planner.suffix[3].rates[0] == pytest.approx(0.25)  # rejected at slot 0
-    assert planner.dflash.rates[:7] == pytest.approx([0.75] * 7)
+    assert planner.dflash.rates[:7] == pytest.approx([0.5 + 0.5 / 9] * 7)
+
+
+def test_two_early_misses_do_not_stop_drafting_at_one_request():
+    # The worker's cost prior at one request: a width-4 drafting step costs ~1.35 plain ones.
+    # Weighed as one observation, two first missed blocks would put every slot at 1/6 and the
+    # planner on plain decoding, where only exploration (~1 step in 70) could measure again.
+    for weight, drafts in ((DFLASH_PRIOR_WEIGHT, True), (1.0, False)):
+        planner = Planner(BLOCK, WIDTHS, CostModel(DEFAULT_CPU_PRIOR), dflash_prior_weight=weight)
+        for _ in range(2):
+            plan = planner.plan([None])
+            assert plan.run_draft
+            planner.observe(plan, [0])
+        assert planner.plan([None]).run_draft == drafts
 
 
 def test_shared_proposals_keep_their_own_statistics_and_source():
@@ -244,7 +269,8 @@ def test_observe_seconds_fits_the_cost_of_the_plan_that_ran():
     for width, run_draft in [(1, False), (4, True), (16, True), (16, False), (8, True)] * 20:
         plan = StepPlan(width, run_draft, (None,) * BS, 0.0)
         seconds = _seconds(BS, width, run_draft)
-        planner.observe_seconds(plan, BS, seconds, _draft_seconds(BS, run_draft))
+        for _ in range(SETTLE_STEPS + 1):  # steps right after the drafter turns on or off: unfitted
+            planner.observe_seconds(plan, BS, seconds, _draft_seconds(BS, run_draft))
     for width, run_draft in [(2, True), (16, False), (1, False)]:
         drafted = BS * BLOCK if run_draft else 0
         predicted = planner.cost.predict(BS, BS * width, drafted)
@@ -297,6 +323,33 @@ def test_another_ranks_choice_reuses_this_ranks_proposals():
     assert shared.suffix == both[0][1:] and shared.choice() == (4, False, (1,), 0, ())
     tree = plan.with_choice((4, True, (0, -1), 1, (True, False)))
     assert tree.source(0) == TREE and tree.source(1) == DFLASH and tree.offered(0) == 3
+
+
+def test_the_step_that_turns_the_drafter_on_or_off_is_not_fitted():
+    planner = Planner(BLOCK, WIDTHS, CostModel(TRUE_COST))
+    drafting = StepPlan(4, True, (None,) * BS, 0.0)
+    plain = StepPlan(1, False, (None,) * BS, 0.0)
+    before = [planner.cost.predict(BS, BS * w, BS * BLOCK * (w > 1)) for w in (1, 4)]
+    for plan in (plain, drafting, drafting, plain, plain, plain):  # within SETTLE_STEPS of a switch
+        planner.observe_seconds(plan, BS, 0.2, 0.1 if plan.run_draft else 0.0)
+    after = [planner.cost.predict(BS, BS * w, BS * BLOCK * (w > 1)) for w in (1, 4)]
+    assert after == before
+    planner.observe_seconds(plain, BS, 0.2)  # the fourth plain step in a row: fitted
+    assert planner.cost.predict(BS, BS, 0) > before[0]
+
+
+def test_an_explored_step_is_charged_its_measured_time_and_refunded_its_tokens():
+    planner = Planner(4, (1, 4), CostModel((1.0, 0.0, 0.0, 2.0 / 4)), explore_every=1)
+    for _ in range(300):  # the drafter has been missing: plain decoding, 1 s a step
+        planner.dflash.observe(0, 3)
+    plans = [planner.plan([None]) for _ in range(300)]
+    explored = next(p for p in plans if p.explored)
+    assert explored.predicted_seconds == 3.0 and explored.displaced == (1.0, 1.0)
+    credit = planner._credit
+    planner.observe_seconds(explored, 1, 5.0, 2.0)  # took 2 s more than predicted
+    assert planner._credit == pytest.approx(credit - 2.0)
+    planner.observe(explored, [3])  # emitted 4 tokens where plain decoding emits 1 in 1 s
+    assert planner._credit == pytest.approx(credit - 2.0 + 3.0)
 
 
 def test_exploration_spends_at_most_its_budget_of_step_time():
