@@ -2,15 +2,15 @@
 
     python bench/planner_sim.py [--seeds 16] [--out F.json]
 
-Runs `proposals.Planner` (DFlash alone, widths 1, 2, 4, 8, 16) on simulated requests of
-128 tokens, eight in a row on one planner as on a server: each step's acceptance is drawn
-per slot from a conditional curve, and its time from the costs the server measured at one
-request (bench/proposers/planner_trace.md): 24 ms a plain step, 0.2 ms per verified token,
-8.5 ms a draft forward, and a one-off 2 ms (draft) + 4 ms (rest) on the step that turns the
-drafter on after plain steps, plus up to ~2 ms of noise. A reply's first `opening` tokens
-accept nothing (measured: the bundled drafter's first seven blocks on MT-Bench's first
-prompt). Prints tokens per second over plain decoding's (mean and range over seeds) for the
-planner variants named below and for fixed widths, per drafter curve:
+Runs `proposals.Planner` (DFlash alone, widths 1, 2, 4, 8, 16) on simulated requests of 128
+tokens, eight in a row on one planner as on a server: each step's acceptance is drawn per
+slot from a conditional curve, and its time from the costs the server measured at one
+request (README, "The planner learning its drafter at one request"): 24 ms a plain step, 0.2
+ms per verified token, 8.5 ms a draft forward, and a one-off 2 ms (draft) + 4 ms (rest) on
+the step that turns the drafter on after plain steps, plus up to ~2 ms of noise. A reply's
+first `opening` tokens accept nothing (measured: the bundled drafter's first seven blocks on
+MT-Bench's first prompt). Prints tokens per second over plain decoding's (mean and range
+over seeds) for the planner variants named below and for fixed widths, per drafter curve:
 
   good    conditional acceptance 0.5, 0.38, 0.35, then 0.3 (the bundled drafter on held-out
           prompts: slot-0 acceptance 0.45-0.52)
@@ -91,6 +91,8 @@ def main() -> None:
         openings = [int(x) for x in args.openings.split(",")]
     except ValueError:
         ap.error(f"--openings must be comma-separated integers, got {args.openings!r}")
+    if min(openings) < 0:
+        ap.error(f"--openings must be >= 0, got {args.openings!r}")
     results = []
     print("| planner | opening | " + " | ".join(CURVES) + " |")
     print("|---|---|" + "---|" * len(CURVES))

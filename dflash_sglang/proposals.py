@@ -272,8 +272,8 @@ class Planner:
         chosen, explored = self._choose(scores, seconds)
         displaced = (0.0, 0.0)
         if explored:
-            t = seconds(self._current)
-            displaced = (scores[self._current] * t, t)
+            tokens = sum(1.0 + e for e, _, _ in picks_of[self._current])
+            displaced = (tokens, seconds(self._current))
         picks = picks_of[chosen]
         taken = tuple(p for _, p, _ in picks)
         trees = tuple(tree for _, _, tree in picks) if chosen.tree_dflash else ()
