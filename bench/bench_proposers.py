@@ -171,6 +171,7 @@ def counts(deltas: dict[str, float]) -> dict:
         "drafts_by_source": {s: by_source(DRAFTS, s) for s in SOURCES},
         "plain_step_share": total(deltas, PLAIN_STEPS) / steps if steps else None,
         "width_share": width_shares(deltas),
+        "step_time_by_option": server_metrics.step_time(deltas),
     }
 
 
@@ -335,18 +336,23 @@ def main() -> None:
 def print_table(results: list[dict]) -> None:
     ar = {(r["concurrency"], r["set"]): r["tok_s"] for r in results if r["arm"] == "ar"}
     columns = ["concurrency", "set", "arm", "tok/s", "× ar", "τ", "τ dflash", "τ suffix"]
-    print("| " + " | ".join([*columns, "τ shared", "plain steps"]) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    more = ["τ shared", "plain steps", "step ms measured / predicted"]
+    print("| " + " | ".join([*columns, *more]) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = ar.get((r["concurrency"], r["set"]))
         ratio = f"{r['tok_s'] / base:.2f}" if base else "–"
         src = r["tau_by_source"]
         cells = [r["tau"], src["dflash"], src["suffix"], src["shared"], r["plain_step_share"]]
         fmt = ["–" if v is None else f"{v:.2f}" for v in cells]
+        times = ", ".join(
+            f"{option} {t['measured_ms']:.1f} / {t['predicted_ms']:.1f}"
+            for option, t in r.get("step_time_by_option", {}).items()
+        )
         print(
             f"| {r['concurrency']} | {r['set']} | {r['arm']} | {r['tok_s']:.1f} | {ratio} | "
             + " | ".join(fmt)
-            + " |"
+            + f" | {times or '–'} |"
         )
 
 

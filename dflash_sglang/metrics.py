@@ -18,9 +18,11 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
   dflash_acceptance_length                         histogram: tokens emitted per request-step
   dflash_draft_seconds, dflash_verify_seconds      histograms: per step
   dflash_step_verify_width                         histogram: verify width per step
-  dflash_step_seconds, dflash_predicted_step_seconds  histograms: a decode step, start to
-                                                   next start, measured / as the adaptive
-                                                   planner predicted it
+  dflash_step_seconds{width,drafter},              histograms: a decode step, start to
+  dflash_predicted_step_seconds{width,drafter}     next start, measured / as the adaptive
+                                                   planner predicted it, per option the
+                                                   planner took (verify width; drafter
+                                                   "on" or "off")
   dflash_verify_width                              gauge: tokens verified per request (last step)
   dflash_draft_kv_rows                             gauge: draft-KV rows holding injected features
                                                    (requests and radix cache)
@@ -36,11 +38,13 @@ sum over `source` for both sources together, or keep it for τ per source):
   acceptance at position k   = rate(accepted_per_pos{position="k"}[w]) / rate(drafts[w])
   output tokens              = request_steps + accepted (each request-step emits a bonus)
   speculation off            = rate(plain_steps[w]) / rate(steps[w])
+  cost model error by option = sum by (width, drafter) (rate(step_seconds_sum[w]))
+                               / sum by (width, drafter) (rate(predicted_step_seconds_sum[w]))
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +63,48 @@ PLAIN_STEPS = PREFIX + "num_plain_steps_total"
 STEP_WIDTH = PREFIX + "step_verify_width"
 VERIFY_WIDTH = PREFIX + "verify_width"
 SHARED_TOKENS = PREFIX + "suffix_shared_tokens"
+STEP_SECONDS = PREFIX + "step_seconds"
+PREDICTED_STEP_SECONDS = PREFIX + "predicted_step_seconds"
 TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 def tau(accepted: float, drafts: float) -> float | None:
     """Mean acceptance length, bonus included: 1 + accepted / drafts (None without drafts)."""
     return 1.0 + accepted / drafts if drafts else None
+
+
+def step_time_sums(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> dict[str, dict]:
+    """Per option ("w4+draft": width 4 with the drafter; "w1": plain decoding): steps and
+    summed measured and predicted seconds, from the step-time histograms' `_count` and `_sum`
+    samples (name, labels, value), summed over processes. Differences of two such totals are
+    totals over the interval between them."""
+    fields = {
+        STEP_SECONDS + "_count": "steps",
+        STEP_SECONDS + "_sum": "measured",
+        PREDICTED_STEP_SECONDS + "_sum": "predicted",
+    }
+    sums: dict[str, dict] = {}
+    for name, labels, value in samples:
+        if name in fields and "width" in labels:
+            option = f"w{labels['width']}" + ("+draft" if labels.get("drafter") == "on" else "")
+            row = sums.setdefault(option, dict.fromkeys(fields.values(), 0.0))
+            row[fields[name]] += value
+    return sums
+
+
+def step_time_means(sums: Mapping[str, Mapping[str, float]]) -> dict[str, dict]:
+    """{option: {"steps", "measured_ms", "predicted_ms"}}: mean step times, ordered by width
+    (options without steps left out)."""
+    means = {
+        option: {
+            "steps": row["steps"],
+            "measured_ms": 1e3 * row["measured"] / row["steps"],
+            "predicted_ms": 1e3 * row["predicted"] / row["steps"],
+        }
+        for option, row in sums.items()
+        if row["steps"] > 0
+    }
+    return dict(sorted(means.items(), key=lambda kv: (int(kv[0][1:].split("+")[0]), kv[0])))
 
 
 @dataclass(frozen=True)
@@ -142,14 +182,17 @@ class PrometheusMetrics:
             "Target verify forward + acceptance time per step.",
             buckets=TIME_BUCKETS,
         )
+        by_option = ["width", "drafter"]
         self.step_seconds = Histogram(
-            PREFIX + "step_seconds",
-            "Decode step, start to next start (scheduler included).",
+            STEP_SECONDS,
+            "Decode step, start to next start (scheduler included), per option taken.",
+            by_option,
             buckets=TIME_BUCKETS,
         )
         self.predicted_step_seconds = Histogram(
-            PREFIX + "predicted_step_seconds",
-            "Decode step time the adaptive planner predicted.",
+            PREDICTED_STEP_SECONDS,
+            "Decode step time the adaptive planner predicted, per option taken.",
+            by_option,
             buckets=TIME_BUCKETS,
         )
         self.verify_width = Gauge(
@@ -213,9 +256,10 @@ class PrometheusMetrics:
                 if count:
                     self._positions[k].inc(count)
 
-    def observe_step_seconds(self, measured: float, predicted: float) -> None:
-        self.step_seconds.observe(measured)
-        self.predicted_step_seconds.observe(predicted)
+    def observe_step_seconds(self, plan: StepPlan, measured: float) -> None:
+        labels = (str(plan.width), "on" if plan.run_draft else "off")
+        self.step_seconds.labels(*labels).observe(measured)
+        self.predicted_step_seconds.labels(*labels).observe(plan.predicted_seconds)
 
     def observe_prefill(self, reused_prefix_tokens: int) -> None:
         if reused_prefix_tokens:

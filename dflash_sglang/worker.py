@@ -378,7 +378,7 @@ class DFlashXWorker(DFlashWorkerV2):
             if draft_seconds is not None:
                 self.planner.observe_seconds(plan, bs, now - start, draft_seconds)
             if self.metrics is not None:
-                self.metrics.observe_step_seconds(now - start, plan.predicted_seconds)
+                self.metrics.observe_step_seconds(plan, now - start)
         return now
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0):

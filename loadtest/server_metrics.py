@@ -7,6 +7,7 @@ speculation (no DFlash counters, or nothing drafted).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import requests
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dflash_sglang import metrics
 
 _CUMULATIVE_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,12 @@ def sample_key(name: str, labels: dict[str, str]) -> str:
     if not labels:
         return name
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def split_key(key: str) -> tuple[str, dict[str, str]]:
+    """`sample_key`'s inverse: the sample's name and labels."""
+    name, _, rest = key.partition("{")
+    return name, dict(_LABEL.findall(rest))
 
 
 def parse(text: str) -> Snapshot:
@@ -66,6 +74,13 @@ def total(samples: dict[str, float], name: str) -> float:
     """Summed over label sets (e.g. one series per scheduler process): counter deltas or
     a snapshot's gauges."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def step_time(deltas: dict[str, float]) -> dict[str, dict]:
+    """Mean measured and predicted step time per option over the deltas' interval
+    (`metrics.step_time_means`)."""
+    samples = [(*split_key(key), value) for key, value in deltas.items()]
+    return metrics.step_time_means(metrics.step_time_sums(samples))
 
 
 def tau(deltas: dict[str, float]) -> float | None:

@@ -46,6 +46,7 @@ class Snapshot:
     generated_tokens: float = 0.0
     verify_width: float | None = None
     shared_tokens: float | None = None  # the shared suffix lookup's size (a gauge)
+    step_time: dict[str, dict] = field(default_factory=dict)  # `metrics.step_time_sums`
 
     def tokens_since(self, old: Snapshot) -> float:
         """Output tokens after `old`. SGLang's generation counter moves only when a request
@@ -91,6 +92,7 @@ def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) ->
             source[labels["source"]] = source.get(labels["source"], 0.0) + value
     return Snapshot(
         time=now,
+        step_time=metrics.step_time_sums(samples),
         accepted_per_pos=per_pos,
         drafts_by_source=by_source[metrics.DRAFTS],
         accepted_by_source=by_source[metrics.ACCEPTED],
@@ -108,6 +110,16 @@ def _mean_width(new: Snapshot, old: Snapshot) -> float | None:
     by a whole step, as it can split two counters the step bumps one after the other."""
     count = new.width_count - old.width_count
     return (new.width_sum - old.width_sum) / count if count else None
+
+
+def _step_time(new: Snapshot, old: Snapshot) -> dict[str, dict]:
+    """Mean measured and predicted step time per option over (old, new]."""
+    zero = {"steps": 0.0, "measured": 0.0, "predicted": 0.0}
+    sums = {
+        option: {k: v - old.step_time.get(option, zero)[k] for k, v in row.items()}
+        for option, row in new.step_time.items()
+    }
+    return metrics.step_time_means(sums)
 
 
 def summarize(new: Snapshot, old: Snapshot | None) -> dict:
@@ -149,6 +161,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         "suffix_shared_tokens": new.shared_tokens,
         "mean_verify_width": _mean_width(new, base),
         "speculation_off_share": (new.plain_steps - base.plain_steps) / steps if steps else None,
+        "step_time_by_option": _step_time(new, base),
     }
 
 

@@ -132,6 +132,26 @@ def test_tau_from_counter_deltas_summed_over_processes():
     assert server_metrics.parse(METRICS_AFTER).gauges == {"dflash_verify_width": 8.0}
 
 
+def test_step_time_from_counter_deltas():
+    key = server_metrics.sample_key
+    labels = {"drafter": "on", "proc": "0", "width": "4"}
+    assert server_metrics.split_key(key("dflash_step_seconds_sum", labels)) == (
+        "dflash_step_seconds_sum",
+        labels,
+    )
+    deltas = {
+        key("dflash_step_seconds_count", labels): 2.0,
+        key("dflash_step_seconds_sum", labels): 0.07,
+        key("dflash_predicted_step_seconds_sum", labels): 0.06,
+        key("dflash_step_seconds_bucket", labels | {"le": "0.05"}): 2.0,
+    }
+    times = server_metrics.step_time(deltas)
+    assert list(times) == ["w4+draft"]
+    assert times["w4+draft"] == pytest.approx(
+        {"steps": 2.0, "measured_ms": 35.0, "predicted_ms": 30.0}
+    )
+
+
 def test_tau_is_none_without_drafts():
     assert server_metrics.tau({}) is None
     assert server_metrics.tau({"sglang:generation_tokens_total": 64.0}) is None

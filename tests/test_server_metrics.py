@@ -81,6 +81,12 @@ def test_counters_match_known_full_acceptance(echo_server):
     assert delta(after, before, "dflash_acceptance_length_bucket", le="3.0") == 0
     assert after[("dflash_verify_width", ())] == BLOCK
     assert delta(after, before, "dflash_draft_seconds_count") == 5 * 4
+    # Step time per option taken: a step is timed at the next one's start, so each request's
+    # last one (a prefill follows) is not; the planner's prediction beside each.
+    option = {"width": str(BLOCK), "drafter": "on"}
+    assert delta(after, before, "dflash_step_seconds_count", **option) == 4 * 4
+    assert delta(after, before, "dflash_predicted_step_seconds_count", **option) == 4 * 4
+    assert delta(after, before, "dflash_predicted_step_seconds_sum", **option) > 0
     assert delta(after, before, "dflash_verify_seconds_sum") > 0
 
 
@@ -117,6 +123,8 @@ def test_stats_endpoint_agrees_with_known_acceptance(echo_server):
     assert start["acceptance_rate"] == pytest.approx(1.0)
     assert start["acceptance_by_position"] == pytest.approx([1.0] * (BLOCK - 1))
     assert start["verify_width"] == BLOCK and start["output_tokens"] > 0
+    times = start["step_time_by_option"]
+    assert list(times) == [f"w{BLOCK}+draft"] and times[f"w{BLOCK}+draft"]["measured_ms"] > 0
     windowed = requests.get(echo_server.url + "/dflash/stats?window_steps=5", timeout=30).json()
     assert windowed["window"]["requested_steps"] == 5
     bad = requests.get(echo_server.url + "/dflash/stats?window_steps=0", timeout=30)

@@ -127,3 +127,36 @@ def test_series_rates_between_recorded_snapshots():
 def test_without_speculation_tokens_come_from_the_generation_counter():
     old, new = Snapshot(time=0.0, generated_tokens=5), Snapshot(time=4.0, generated_tokens=25)
     assert summarize(new, old)["output_tokens_per_s"] == pytest.approx(5.0)
+
+
+def _step_times(steps_w1, steps_w4):
+    """Step-time histogram samples: width-1 steps of 20 ms predicted at 25, width-4 drafting
+    steps of 30 ms predicted at 25."""
+    rows = {("1", "off"): (steps_w1, 0.020, 0.025), ("4", "on"): (steps_w4, 0.030, 0.025)}
+    return [
+        sample
+        for (width, drafter), (n, measured, predicted) in rows.items()
+        for sample in (
+            ("dflash_step_seconds_count", {"width": width, "drafter": drafter}, n),
+            ("dflash_step_seconds_sum", {"width": width, "drafter": drafter}, n * measured),
+            (
+                "dflash_predicted_step_seconds_sum",
+                {"width": width, "drafter": drafter},
+                n * predicted,
+            ),
+        )
+    ]
+
+
+def test_step_time_by_option_over_the_window():
+    old = snapshot_from_samples(_samples(10, 5, [5], 0) + _step_times(0, 10), now=0.0)
+    new = snapshot_from_samples(_samples(20, 10, [12], 0) + _step_times(5, 10), now=10.0)
+    plain = {"steps": 5, "measured_ms": 20.0, "predicted_ms": 25.0}
+    since_start = summarize(new, None)["step_time_by_option"]
+    assert list(since_start) == ["w1", "w4+draft"]
+    assert since_start["w1"] == pytest.approx(plain)
+    assert since_start["w4+draft"] == pytest.approx(
+        {"steps": 10, "measured_ms": 30.0, "predicted_ms": 25.0}
+    )
+    window = summarize(new, old)["step_time_by_option"]  # only plain-decoding steps ran in it
+    assert list(window) == ["w1"] and window["w1"] == pytest.approx(plain)
