@@ -244,6 +244,7 @@ def parse_args() -> argparse.Namespace:
         )
         if rev.returncode != 0:
             ap.error(f"--base: {args.base!r} is not a commit of {REPO}")
+        args.base = rev.stdout.decode().strip()  # the report names the commit, not "HEAD"
     return args
 
 

@@ -6,8 +6,9 @@ Runs `proposals.Planner` (DFlash alone, widths 1, 2, 4, 8, 16) on simulated requ
 tokens, eight in a row on one planner as on a server: each step's acceptance is drawn per
 slot from a conditional curve, and its time from the costs the server measured at one
 request (README, "The planner learning its drafter at one request"): 24 ms a plain step, 0.2
-ms per verified token, 8.5 ms a draft forward, and a one-off 2 ms (draft) + 4 ms (rest) on
-the step that turns the drafter on after plain steps, plus up to ~2 ms of noise. A reply's
+ms per verified token, 8.5 ms a draft forward, a one-off 2 ms (draft) + 4 ms (rest) on
+the step that turns the drafter on after plain steps and 9 ms on the first plain step after
+drafting ones, plus up to ~2 ms of noise. A reply's
 first `opening` tokens accept nothing (measured: the bundled drafter's first seven blocks on
 MT-Bench's first prompt). Prints tokens per second over plain decoding's (mean and range
 over seeds) for the planner variants named below and for fixed widths, per drafter curve:
@@ -32,6 +33,7 @@ from dflash_sglang.proposals import Planner
 BLOCK, WIDTHS = 16, (1, 2, 4, 8, 16)
 PLAIN, PER_TOKEN, DRAFT = 0.024, 0.0002, 0.0085  # seconds
 SWITCH_DRAFT, SWITCH_REST = 0.002, 0.004  # the step that turns the drafter on pays these once
+SWITCH_BACK = 0.009  # and the first plain step after drafting this
 CURVES = {
     "good": [0.5, 0.38, 0.35] + [0.3] * 12,
     "mid": [0.38, 0.3, 0.3] + [0.25] * 12,
@@ -54,9 +56,11 @@ def run(planner: Planner, curve: list[float], seed: int, opening: int, requests:
                 accepted += 1
             planner.observe(plan, [accepted])
             switch = plan.run_draft and not drafted
+            back = drafted and not plan.run_draft
             draft = DRAFT + SWITCH_DRAFT * switch + rng.gauss(0, 0.0005) if plan.run_draft else 0.0
             noise = abs(rng.gauss(0, 0.001))
-            step = PLAIN + PER_TOKEN * plan.width + SWITCH_REST * switch + draft + noise
+            step = PLAIN + PER_TOKEN * plan.width + SWITCH_REST * switch + SWITCH_BACK * back
+            step += draft + noise
             planner.observe_seconds(plan, 1, step, draft)
             drafted = plan.run_draft
             seconds += step

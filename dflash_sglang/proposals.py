@@ -10,7 +10,8 @@ option unless another beats it by the hysteresis margin. Pure Python: the worker
 host-side counts.
 
 Options it does not pick are measured by exploration: at most every `explore_every` picks
-a neighbouring drafting width runs instead, and an explored step that accepted more than
+a neighbouring option runs instead (from a step without the drafter, the better-scoring
+of the next two drafting widths up), and an explored step that accepted more than
 predicted is explored again on the next pick, so a drafter that starts hitting again is
 measured in a burst of steps (an EMA moves little per step) rather than one per
 `explore_every`; one that keeps missing costs a single step per period. Exploration only
@@ -307,7 +308,7 @@ class Planner:
         if again in scores and again != current:
             candidate = again
         elif self.explore_every and self._picks - self._last_explored >= self.explore_every:
-            candidate = self._neighbour(current)
+            candidate = self._neighbour(current, scores)
         if candidate is not None and candidate in scores and candidate != current:
             extra = max(seconds(candidate) - seconds(current), 0.0)
             if extra <= self._credit:
@@ -318,13 +319,29 @@ class Planner:
         self._credit += self.explore_budget * seconds(current)
         return current, False
 
-    def _neighbour(self, opt: _Option) -> _Option:
-        """In turn: the next width up (drafting: the only way to see the drafter again once
-        plain decoding or suffix-only steps won), plain decoding (the only way to measure
-        what the drafter costs: at a fixed batch size a step that always drafts cannot tell
-        the drafter's time from the step's own), and the next width down."""
+    def _neighbour(self, opt: _Option, scores: dict[_Option, float]) -> _Option:
+        """In turn: up (drafting: the only way to see the drafter again once plain decoding
+        or suffix-only steps won), plain decoding (the only way to measure what the drafter
+        costs: at a fixed batch size a step that always drafts cannot tell the drafter's
+        time from the step's own), and the next width down.
+
+        Up from a step without the drafter is the better-scoring of the next two drafting
+        chains (from suffix proposals alone at width w: w and the next width): the draft
+        forward costs the same at every width, so at one request verifying a little more of
+        the block measures more slots for little more time. (Exploring width 2 from plain
+        decoding saw slot 0 alone: the bundled drafter, 1.14-1.16x plain decoding at a fixed
+        width of 4, was measured on ~2% of steps one slot at a time and never taken,
+        0.88-0.98x.) Not any width: under load a wide step costs far more than the fit,
+        which has not seen it, predicts (the whole block at four requests: 87 ms, predicted
+        47), and explored steps stay out of the fit."""
         i = self.widths.index(opt.width)
         turn = self._explore_turns % 3
+        if not opt.run_draft and (i == 0 or turn == 0):
+            j = max(i, 1)  # suffix proposals alone at width w: w itself with the drafter is up
+            up = [_Option(w, True) for w in self.widths[j : j + 2]]
+            up = [o for o in up if o in scores]
+            if up:
+                return max(up, key=lambda o: (scores[o], -o.width))
         if i == 0 or turn == 0:
             w = self.widths[min(i + 1, len(self.widths) - 1)]
         elif turn == 1 and self.widths[0] == 1:

@@ -378,6 +378,37 @@ def test_exploration_cycles_up_plain_and_down():
     ]
 
 
+def test_exploring_up_from_plain_decoding_measures_the_best_drafting_width():
+    """The draft forward costs the same at every width: from plain decoding the drafter is
+    measured at the width that scores best (4 here: slots accepted half the time, the CPU
+    prior's costs), not at the next one up, which would see slot 0 alone."""
+    planner = Planner(16, (1, 2, 4, 8, 16), CostModel(DEFAULT_CPU_PRIOR), explore_every=1)
+    planner._current = _Option(1, False)  # plain decoding, held there by hysteresis
+    planner.hysteresis = float("inf")
+    planner.explore_budget = float("inf")
+    picks = [planner.plan([None]) for _ in range(3)]
+    assert [(p.width, p.run_draft, p.explored) for p in picks] == [
+        (1, False, False),
+        (4, True, True),
+        (4, True, True),  # from plain decoding every turn goes up
+    ]
+
+
+def test_exploring_up_goes_at_most_two_widths_past_a_step_without_the_drafter():
+    """Even where the whole block scores best, exploring from plain decoding stops at width
+    4 (a wide step the fit has not seen may cost far more than it predicts), and from
+    suffix proposals alone at width 4 it turns the drafter on at 4 or 8."""
+    planner = Planner(16, (1, 2, 4, 8, 16), CostModel(TRUE_COST), explore_every=1)
+    for _ in range(50):
+        planner.dflash.observe(15, 15)  # every slot hits: the whole block scores best
+    planner.hysteresis = float("inf")
+    planner.explore_budget = float("inf")
+    for current, allowed in ((_Option(1, False), 4), (_Option(4, False), 8)):
+        planner._current = current
+        picks = [planner.plan([_proposal(3)] * BS) for _ in range(4)]
+        assert max(p.width for p in picks if p.explored) == allowed  # up; then plain, down
+
+
 # --- two-branch trees --------------------------------------------------------------------
 
 
