@@ -8,10 +8,10 @@ slot from a conditional curve, and its time from the costs the server measured a
 request (README, "The planner learning its drafter at one request"): 24 ms a plain step, 0.2
 ms per verified token, 8.5 ms a draft forward, a one-off 2 ms (draft) + 4 ms (rest) on
 the step that turns the drafter on after plain steps and 9 ms on the first plain step after
-drafting ones, plus up to ~2 ms of noise. A reply's
-first `opening` tokens accept nothing (measured: the bundled drafter's first seven blocks on
-MT-Bench's first prompt). Prints tokens per second over plain decoding's (mean and range
-over seeds) for the planner variants named below and for fixed widths, per drafter curve:
+drafting ones, plus up to ~2 ms of noise. A reply's first `opening` tokens accept nothing
+(measured: the bundled drafter's first seven blocks on MT-Bench's first prompt). Prints
+tokens per second over plain decoding's (mean and range over seeds) for the planner
+variants named below and for fixed widths, per drafter curve:
 
   good    conditional acceptance 0.5, 0.38, 0.35, then 0.3 (the bundled drafter on held-out
           prompts: slot-0 acceptance 0.45-0.52)

@@ -76,26 +76,26 @@ def tau(accepted: float, drafts: float) -> float | None:
 def step_time_sums(samples: Iterable[tuple[str, Mapping[str, str], float]]) -> dict[str, dict]:
     """Per option ("w4+draft": width 4 with the drafter; "w1": plain decoding): steps and
     summed measured and predicted seconds, from the step-time histograms' `_count` and `_sum`
-    samples (name, labels, value), summed over processes. Differences of two such totals are
-    totals over the interval between them."""
+    samples (name, labels, value), summed over processes, ordered by width. Differences of
+    two such totals are totals over the interval between them."""
     fields = {
         STEP_SECONDS + "_count": "steps",
         STEP_SECONDS + "_sum": "measured",
         PREDICTED_STEP_SECONDS + "_sum": "predicted",
     }
-    sums: dict[str, dict] = {}
+    sums: dict[tuple[int, bool], dict] = {}
     for name, labels, value in samples:
         if name in fields and "width" in labels:
-            option = f"w{labels['width']}" + ("+draft" if labels.get("drafter") == "on" else "")
+            option = (int(labels["width"]), labels.get("drafter") == "on")
             row = sums.setdefault(option, dict.fromkeys(fields.values(), 0.0))
             row[fields[name]] += value
-    return sums
+    return {f"w{w}" + ("+draft" if on else ""): sums[w, on] for w, on in sorted(sums)}
 
 
 def step_time_means(sums: Mapping[str, Mapping[str, float]]) -> dict[str, dict]:
-    """{option: {"steps", "measured_ms", "predicted_ms"}}: mean step times, ordered by width
+    """{option: {"steps", "measured_ms", "predicted_ms"}}: mean step times, in `sums`' order
     (options without steps left out)."""
-    means = {
+    return {
         option: {
             "steps": row["steps"],
             "measured_ms": 1e3 * row["measured"] / row["steps"],
@@ -104,7 +104,6 @@ def step_time_means(sums: Mapping[str, Mapping[str, float]]) -> dict[str, dict]:
         for option, row in sums.items()
         if row["steps"] > 0
     }
-    return dict(sorted(means.items(), key=lambda kv: (int(kv[0][1:].split("+")[0]), kv[0])))
 
 
 @dataclass(frozen=True)
