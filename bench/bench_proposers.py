@@ -42,7 +42,15 @@ from pathlib import Path
 from dflash_sglang import suffix_corpus
 from dflash_sglang.loadtest import server_metrics
 from dflash_sglang.managed_server import Server
-from dflash_sglang.metrics import ACCEPTED, DRAFTS, PLAIN_STEPS, STEP_WIDTH, STEPS, tau
+from dflash_sglang.metrics import (
+    ACCEPTED,
+    DRAFTS,
+    PLAIN_STEPS,
+    PREDICTED_ACCEPTED,
+    STEP_WIDTH,
+    STEPS,
+    tau,
+)
 from dflash_sglang.proposals import SOURCES
 
 # The benchmarks pass --model-path, so the embedded model's default corpus is named here.
@@ -168,6 +176,9 @@ def counts(deltas: dict[str, float]) -> dict:
     return {
         "tau": tau(total(deltas, ACCEPTED), total(deltas, DRAFTS)),
         "tau_by_source": {s: tau(by_source(ACCEPTED, s), by_source(DRAFTS, s)) for s in SOURCES},
+        "predicted_tau_by_source": {
+            s: tau(by_source(PREDICTED_ACCEPTED, s), by_source(DRAFTS, s)) for s in SOURCES
+        },
         "drafts_by_source": {s: by_source(DRAFTS, s) for s in SOURCES},
         "plain_step_share": total(deltas, PLAIN_STEPS) / steps if steps else None,
         "width_share": width_shares(deltas),
@@ -336,16 +347,18 @@ def main() -> None:
 
 def print_table(results: list[dict]) -> None:
     ar = {(r["concurrency"], r["set"]): r["tok_s"] for r in results if r["arm"] == "ar"}
-    columns = ["concurrency", "set", "arm", "tok/s", "× ar", "τ", "τ dflash", "τ suffix"]
-    more = ["τ shared", "plain steps", "step ms measured / predicted"]
+    columns = ["concurrency", "set", "arm", "tok/s", "× ar", "τ", "τ dflash (predicted)"]
+    more = ["τ suffix (predicted)", "τ shared (predicted)", "plain steps"]
+    more += ["step ms measured / predicted"]
     print("| " + " | ".join([*columns, *more]) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = ar.get((r["concurrency"], r["set"]))
         ratio = f"{r['tok_s'] / base:.2f}" if base else "–"
-        src = r["tau_by_source"]
-        cells = [r["tau"], src["dflash"], src["suffix"], src["shared"], r["plain_step_share"]]
-        fmt = ["–" if v is None else f"{v:.2f}" for v in cells]
+        src, expected = r["tau_by_source"], r.get("predicted_tau_by_source", {})
+        fmt = [_num(r["tau"])]
+        fmt += [f"{_num(src[s])} ({_num(expected.get(s))})" for s in ("dflash", "suffix", "shared")]
+        fmt += [_num(r["plain_step_share"])]
         times = ", ".join(
             f"{option} {t['measured_ms']:.1f} / {t['predicted_ms']:.1f}"
             for option, t in r.get("step_time_by_option", {}).items()
@@ -355,6 +368,10 @@ def print_table(results: list[dict]) -> None:
             + " | ".join(fmt)
             + f" | {times or '–'} |"
         )
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

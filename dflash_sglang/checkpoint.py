@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_sglang.options import DEFAULT_BLOCK_SIZE
+
 DRAFT_ARCHITECTURES = frozenset({"DFlashDraftModel"})
 
 
@@ -128,7 +130,7 @@ def write_random_draft(
     target_path: str | Path,
     out: str | Path,
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     num_layers: int = 5,
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,

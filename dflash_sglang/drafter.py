@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_sglang.options import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -49,7 +51,9 @@ class DraftConfig:
                 config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
             ),
             vocab_size=int(config["vocab_size"]),
-            block_size=int(config.get("block_size") or dflash.get("block_size") or 16),
+            block_size=int(
+                config.get("block_size") or dflash.get("block_size") or DEFAULT_BLOCK_SIZE
+            ),
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             num_target_layers=int(config["num_target_layers"]),

@@ -291,13 +291,11 @@ def with_cpu_kv_pool(args: list[str]) -> list[str]:
 
 def block_size_of(args: Sequence[str], draft_block_size: int | None) -> int:
     """The block size `spec.resolve_block_size` will settle on, from the argument list."""
-    from dflash_sglang.spec import DEFAULT_BLOCK_SIZE
-
     for flag in ("--speculative-dflash-block-size", "--speculative-num-draft-tokens"):
         value = flag_value(args, flag)
         if value is not None:
             return int(value)
-    return draft_block_size or DEFAULT_BLOCK_SIZE
+    return draft_block_size or spec_options.DEFAULT_BLOCK_SIZE
 
 
 def print_help() -> None:

@@ -11,6 +11,8 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
                                                    verified as two branches of one tree)
   dflash_num_draft_tokens_total{source}            proposed tokens offered for verification
   dflash_num_accepted_tokens_total{source}         proposed tokens the target accepted
+  dflash_predicted_accepted_tokens_total{source}   proposed tokens the adaptive planner
+                                                   expected accepted when it chose them
   dflash_num_accepted_tokens_per_pos_total{position="k"}  accepted at draft slot k (0-based)
   dflash_num_request_steps_total                   decode request-steps, speculating or not
   dflash_num_steps_total, dflash_num_plain_steps_total  decode steps; of them, width 1
@@ -38,6 +40,8 @@ sum over `source` for both sources together, or keep it for τ per source):
   acceptance at position k   = rate(accepted_per_pos{position="k"}[w]) / rate(drafts[w])
   output tokens              = request_steps + accepted (each request-step emits a bonus)
   speculation off            = rate(plain_steps[w]) / rate(steps[w])
+  τ the planner expected     = 1 + rate(predicted_accepted[w]) / rate(drafts[w])
+                               (by source: its acceptance estimates against the τ above)
   cost model error by option = sum by (width, drafter) (rate(step_seconds_sum[w]))
                                / sum by (width, drafter) (rate(predicted_step_seconds_sum[w]))
 """
@@ -57,6 +61,7 @@ DRAFTS = PREFIX + "num_drafts_total"
 DRAFT_TOKENS = PREFIX + "num_draft_tokens_total"
 ACCEPTED = PREFIX + "num_accepted_tokens_total"
 ACCEPTED_PER_POS = PREFIX + "num_accepted_tokens_per_pos_total"
+PREDICTED_ACCEPTED = PREFIX + "predicted_accepted_tokens_total"
 REQUEST_STEPS = PREFIX + "num_request_steps_total"
 STEPS = PREFIX + "num_steps_total"
 PLAIN_STEPS = PREFIX + "num_plain_steps_total"
@@ -152,6 +157,11 @@ class PrometheusMetrics:
         self.accepted = Counter(
             PREFIX + "num_accepted_tokens", "Proposed tokens accepted by the target.", by_source
         )
+        self.predicted_accepted = Counter(
+            PREDICTED_ACCEPTED.removesuffix("_total"),
+            "Proposed tokens the adaptive planner expected the target to accept.",
+            by_source,
+        )
         self.accepted_per_pos = Counter(
             PREFIX + "num_accepted_tokens_per_pos",
             "Drafted tokens accepted at each draft position (0-based).",
@@ -218,7 +228,7 @@ class PrometheusMetrics:
             self.accepted_per_pos.labels(str(k)) for k in range(max_verify_width - 1)
         ]
         for source in SOURCES:
-            for counter in (self.drafts, self.draft_tokens, self.accepted):
+            for counter in (self.drafts, self.draft_tokens, self.accepted, self.predicted_accepted):
                 counter.labels(source)
 
     def observe_step(
@@ -244,13 +254,15 @@ class PrometheusMetrics:
 
     def _observe_drafts(self, plan: StepPlan, lens: list[int]) -> None:
         for source in SOURCES:
-            mine = [n for r, n in enumerate(lens) if plan.source(r) == source]
-            if not mine:
+            rows = [r for r in range(len(lens)) if plan.source(r) == source]
+            if not rows:
                 continue
-            stats = step_stats(mine, plan.width)
+            stats = step_stats([lens[r] for r in rows], plan.width)
             self.drafts.labels(source).inc(stats.num_drafts)
             self.draft_tokens.labels(source).inc(stats.num_draft_tokens)
             self.accepted.labels(source).inc(stats.num_accepted_tokens)
+            if plan.expected:
+                self.predicted_accepted.labels(source).inc(sum(plan.expected[r] for r in rows))
             for k, count in enumerate(stats.accepted_per_pos):
                 if count:
                     self._positions[k].inc(count)

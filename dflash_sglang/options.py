@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_PREFIX = "DFLASH_SGLANG_"
+DEFAULT_BLOCK_SIZE = 16  # a drafter whose config names none; fresh drafters in training
 DEFAULT_WIDTHS = (1, 2, 4, 8)  # plus the block size
 # Every step drafts and verifies the whole block: what measures a drafter's own τ.
 PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")

@@ -102,6 +102,9 @@ class StepPlan:
     proposals: tuple[tuple[SuffixProposal, ...], ...] = ()  # every request's, taken or not
     tree_dflash: int = 0  # DFlash branch length of tree requests (0: a chain step)
     trees: tuple[bool, ...] = ()  # per request: verified as a tree (its suffix proposal beside)
+    # Per request: proposal tokens the planner expected accepted (E_r - 1), by the statistics
+    # it planned with; exported beside what was accepted, to check its estimates.
+    expected: tuple[float, ...] = ()
 
     def choice(self) -> tuple[int, bool, tuple[int, ...], int, tuple[bool, ...]]:
         """What differs between ranks' planners: (width, run_draft, per request the index of
@@ -289,6 +292,7 @@ class Planner:
             proposals=tuple(proposals),
             tree_dflash=chosen.tree_dflash if any_tree else 0,
             trees=trees if any_tree else (),
+            expected=tuple(e for e, _, _ in picks),
         )
 
     def _choose(

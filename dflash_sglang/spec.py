@@ -14,10 +14,10 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from dflash_sglang import platform
 from dflash_sglang.checkpoint import CheckpointError, check_pair
+from dflash_sglang.options import DEFAULT_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 48
 
 

@@ -38,6 +38,7 @@ class Snapshot:
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
     drafts_by_source: dict[str, float] = field(default_factory=dict)
     accepted_by_source: dict[str, float] = field(default_factory=dict)
+    predicted_by_source: dict[str, float] = field(default_factory=dict)  # planner's expectation
     request_steps: float = 0.0
     steps: float = 0.0
     plain_steps: float = 0.0
@@ -77,7 +78,11 @@ def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) ->
     """Fold Prometheus samples (name, labels, value) into one snapshot; labels are summed."""
     totals: dict[str, float] = {}
     per_pos: dict[int, float] = {}
-    by_source: dict[str, dict[str, float]] = {metrics.DRAFTS: {}, metrics.ACCEPTED: {}}
+    by_source: dict[str, dict[str, float]] = {
+        metrics.DRAFTS: {},
+        metrics.ACCEPTED: {},
+        metrics.PREDICTED_ACCEPTED: {},
+    }
     gauges: dict[str, float] = {}
     for name, labels, value in samples:
         if name == metrics.ACCEPTED_PER_POS:
@@ -96,6 +101,7 @@ def snapshot_from_samples(samples: list[tuple[str, dict, float]], now: float) ->
         accepted_per_pos=per_pos,
         drafts_by_source=by_source[metrics.DRAFTS],
         accepted_by_source=by_source[metrics.ACCEPTED],
+        predicted_by_source=by_source[metrics.PREDICTED_ACCEPTED],
         **gauges,
         **totals,
     )
@@ -131,15 +137,20 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
     steps = new.steps - base.steps
     seconds = new.time - base.time
     positions = sorted(new.accepted_per_pos)
+
+    def tau_of(by_source: str, source: str) -> float | None:
+        return metrics.tau(
+            _delta(getattr(new, by_source), getattr(base, by_source), source),
+            _delta(new.drafts_by_source, base.drafts_by_source, source),
+        )
+
     return {
         "request_steps": new.request_steps - base.request_steps,
         "tau": metrics.tau(accepted, drafts),
-        "tau_by_source": {
-            source: metrics.tau(
-                _delta(new.accepted_by_source, base.accepted_by_source, source),
-                _delta(new.drafts_by_source, base.drafts_by_source, source),
-            )
-            for source in SOURCES
+        "tau_by_source": {source: tau_of("accepted_by_source", source) for source in SOURCES},
+        # What the adaptive planner expected of the proposals it chose (its estimates' bias)
+        "predicted_tau_by_source": {
+            source: tau_of("predicted_by_source", source) for source in SOURCES
         },
         "drafts_by_source": {
             source: _delta(new.drafts_by_source, base.drafts_by_source, source)

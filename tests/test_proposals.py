@@ -160,6 +160,30 @@ def test_requests_with_a_trusted_suffix_proposal_take_it_and_the_drafter_still_r
     assert plan.offered(1) == plan.width - 1
 
 
+def test_a_plan_carries_what_it_expects_each_request_to_accept():
+    """Exported beside what was accepted (`dflash_predicted_accepted_tokens_total`)."""
+    planner = _planner_trusting_suffix()
+    for _ in range(300):
+        planner.dflash.observe(1, 2)
+    proposals = [_proposal(10), None, _proposal(3, match_len=2), None]
+    plan = planner.plan(proposals)
+    n = plan.width - 1
+    assert n > 0 and plan.run_draft
+    own = planner.suffix_stats
+    assert plan.expected == pytest.approx(
+        [
+            own(proposals[0]).expected_accepted(min(n, 10)),
+            planner.dflash.expected_accepted(n),
+            max(
+                own(proposals[2]).expected_accepted(min(n, 3)), planner.dflash.expected_accepted(n)
+            ),
+            planner.dflash.expected_accepted(n),
+        ]
+    )
+    plain = Planner(BLOCK, (1,), CostModel(TRUE_COST)).plan([None, _proposal(3)])
+    assert plain.expected == (0.0, 0.0)
+
+
 def test_when_every_request_takes_its_suffix_proposal_the_drafter_is_skipped():
     planner = _planner_trusting_suffix()
     proposals = [_proposal(BLOCK - 1)] * BS

@@ -66,6 +66,9 @@ def test_counters_match_known_full_acceptance(echo_server):
     assert delta(after, before, "dflash_num_draft_tokens_total", **dflash) == steps * (BLOCK - 1)
     assert delta(after, before, "dflash_num_accepted_tokens_total", **dflash) == steps * (BLOCK - 1)
     assert delta(after, before, "dflash_num_drafts_total", source="suffix") == 0
+    # The planner's acceptance estimate rises towards the echo drafter's 100% from its prior.
+    expected = delta(after, before, "dflash_predicted_accepted_tokens_total", **dflash)
+    assert 0 < expected < steps * (BLOCK - 1)
     assert delta(after, before, "dflash_num_request_steps_total") == steps
     assert delta(after, before, "dflash_num_plain_steps_total") == 0
     # One request at a time: a decode step per request-step, each verifying the whole block.

@@ -75,6 +75,22 @@ def test_tau_per_source_plain_steps_and_mean_width():
     assert window["output_tokens_per_s"] == pytest.approx((35 + 30) / 10)
 
 
+def test_what_the_planner_expected_beside_tau_per_source():
+    expected = [
+        ("dflash_predicted_accepted_tokens_total", {"source": "dflash"}, 16.0),
+        ("dflash_predicted_accepted_tokens_total", {"source": "suffix"}, 15.0),
+    ]
+    samples = _samples(20, 10, [12], 0, suffix=(10, 20)) + expected
+    start = summarize(snapshot_from_samples(samples, now=1.0), None)
+    assert start["tau_by_source"]["dflash"] == 1.5 and start["tau_by_source"]["suffix"] == 3.0
+    assert start["predicted_tau_by_source"] == {
+        "dflash": 1.8,
+        "suffix": 2.5,
+        "shared": None,
+        "tree": None,
+    }
+
+
 def test_window_picks_the_latest_snapshot_far_enough_back():
     history = [Snapshot(time=t, request_steps=d) for t, d in [(1, 0), (2, 50), (3, 90), (4, 99)]]
     new = Snapshot(time=5, request_steps=100)

@@ -37,6 +37,8 @@ def test_status_page_renders_live_stats(live_dflash, tmp_path):
     assert _text(dom, "spec-off") == "0.0%"
     # DFlash block / own-text lookup / shared lookup: the last two never proposed here.
     assert _text(dom, "tau-sources") == f"{stats['window']['tau']:.2f} / – / – / –"
+    expected = stats["window"]["predicted_tau_by_source"]["dflash"]
+    assert 1.0 < expected and _text(dom, "tau-expected") == f"{expected:.2f} / – / – / –"
     times = stats["window"]["step_time_by_option"]
     assert list(times) == ["w8+draft"]
     assert _text(dom, "step-times").startswith("w8+draft ")

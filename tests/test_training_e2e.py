@@ -192,6 +192,22 @@ def test_rollout_labels_train_from_the_cli(run, tmp_path):
     assert state["config"]["labels"] == "rollout" and state["config"]["rollout_depth"] == 3
 
 
+def test_a_drafter_retrains_at_another_block_size(run, tmp_path):
+    """--init-drafter keeps its drafter's block size unless --block-size names another: the
+    same weights then train, and are written, at that size."""
+    drafter = run["root"] / "straight" / "drafter"
+    args = ["train", "--target", run["target"], "--features-dir", str(run["features"])]
+    args += [*TRAIN, "--init-drafter", str(drafter), "--max-steps", "2"]
+    assert main([*args, "--out", str(tmp_path / "same")]) == 0
+    assert DFlashDrafter.load(tmp_path / "same" / "drafter").config.block_size == 4
+    assert main([*args, "--out", str(tmp_path / "b3"), "--block-size", "3"]) == 0
+    retrained = DFlashDrafter.load(tmp_path / "b3" / "drafter")
+    assert retrained.config.block_size == 3
+    assert DFlashDrafter.load(drafter).config.block_size == 4  # the source is untouched
+    state = torch.load(tmp_path / "b3" / "checkpoint.pt", weights_only=False)
+    assert state["draft_config"]["block_size"] == 3
+
+
 def test_yardstick_from_the_cli(run, tmp_path):
     """The slot-1 yardstick and the drafter's slot 1, scored on the same held-out positions."""
     out = tmp_path / "yardstick.json"

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_sglang.options import DEFAULT_PROMPT_VOCAB
+from dflash_sglang.options import DEFAULT_BLOCK_SIZE, DEFAULT_PROMPT_VOCAB
 
 EVAL_SETS = ("mt_bench", "humaneval", "math")
 
@@ -150,7 +150,7 @@ def _draft_config(a: argparse.Namespace, target: Path, tokenizer):
     config = draft_config_for(
         target_config,
         num_layers=a.num_layers,
-        block_size=a.block_size,
+        block_size=a.block_size or DEFAULT_BLOCK_SIZE,
         mask_token_id=mask_id,
         target_layer_ids=layer_ids,
     )
@@ -191,7 +191,7 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     from dflash_sglang import draft_vocab
     from dflash_sglang.drafter import DFlashDrafter
-    from dflash_sglang.training import data, features, rollout, train
+    from dflash_sglang.training import data, evaluate, features, rollout, train
 
     torch.set_num_threads(a.threads)
     if bool(a.features_dir) == bool(a.data):
@@ -205,6 +205,8 @@ def cmd_train(a: argparse.Namespace) -> None:
     target.to(a.device)
     if a.init_drafter:
         drafter = DFlashDrafter.load(_existing_dir("--init-drafter", a.init_drafter))
+        if a.block_size:  # the same weights drafting blocks of another size
+            drafter = evaluate.at_block_size(drafter, a.block_size)
     else:
         config = _draft_config(a, target_dir, tokenizer)
         if a.draft_vocab_size:
@@ -417,7 +419,12 @@ def parser() -> argparse.ArgumentParser:
 
     def shape(sp):
         sp.add_argument("--num-layers", type=int, default=5)
-        sp.add_argument("--block-size", type=int, default=16)
+        sp.add_argument(
+            "--block-size",
+            type=int,
+            help=f"default: {DEFAULT_BLOCK_SIZE}; train --init-drafter: retrain that drafter at "
+            "this size (default: its own)",
+        )
         sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
         sp.add_argument("--mask-token-id", type=int, help="mask token id (e.g. Qwen3: 151669)")
         sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
