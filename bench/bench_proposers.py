@@ -23,6 +23,13 @@ suffix index must not be credited for replaying an output it already holds. Arms
 Any arm named `ARM@base` is ARM served from git revision `--base` instead of this tree
 (before/after a change, in one interleaved run).
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
+
+Each user sends its next prompt when the last one returns, so a slice ends with a drain:
+the last requests run in a shrinking batch, and the slowest of them sets the slice's time.
+tok/s counts the whole slice (the drain included: a batch job's view, which charges an arm
+for how much its requests' speeds vary); steady tok/s counts the tokens streamed while
+every user still had a request in flight, up to the moment the last prompt was sent (a
+server under continuous load; None when a slice has hardly more prompts than users).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,6 +106,11 @@ ARMS = {
 }
 SET_NAMES = ("mt_bench", "humaneval", "math", "summaries")
 BASE = "@base"
+# Streamed requests send a chunk per this many tokens (a step can add several): the steady
+# window's token count is exact to within one chunk per request, and the arms pay the same
+# streaming cost per token whatever their tokens per step.
+STREAM_INTERVAL = 8
+MIN_STEADY_SECONDS = 2.0
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -124,45 +137,76 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: dict) -> dict:
-    """Output tokens and seconds over `prompts` at `concurrency`, and the counter deltas;
-    `sampling`: the request's sampling parameters (`max_new_tokens`, `ignore_eos`, ...)."""
+    """Output tokens and seconds over `prompts` at `concurrency` (closed loop: each user
+    sends its next prompt when the last one returns), the same over the steady window, and
+    the counter deltas; `sampling`: the request's sampling parameters (`max_new_tokens`,
+    `ignore_eos`, ...)."""
+    pending = list(reversed(prompts))
+    lock = threading.Lock()
     before = server_metrics.scrape(server.url)
     start = time.perf_counter()
+    last_sent = start
+
+    def user() -> list[list[tuple[float, int]]]:
+        nonlocal last_sent
+        timelines = []
+        while True:
+            with lock:
+                if not pending:
+                    return timelines
+                ids = pending.pop()
+                if not pending:
+                    last_sent = time.perf_counter()
+            timelines.append(server.generate_stream(ids, STREAM_INTERVAL, **sampling))
+
     with ThreadPoolExecutor(concurrency) as pool:
-        metas = list(
-            pool.map(
-                lambda ids: server.generate(input_ids=ids, **sampling)["meta_info"],
-                prompts,
-            )
-        )
+        users = [pool.submit(user) for _ in range(concurrency)]
+        timelines = [t for u in users for t in u.result()]
     elapsed = time.perf_counter() - start
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
     return {
-        "tokens": sum(m["completion_tokens"] for m in metas),
+        "tokens": sum(t[-1][1] for t in timelines),
         "seconds": elapsed,
+        "steady_tokens": tokens_by(timelines, last_sent),
+        "steady_seconds": last_sent - start,
         "deltas": deltas,
     }
+
+
+def tokens_by(timelines: list[list[tuple[float, int]]], moment: float) -> int:
+    """Tokens the streams had delivered by `moment` (each timeline: (time, tokens so far))."""
+    return sum(max((n for t, n in timeline if t <= moment), default=0) for timeline in timelines)
 
 
 def interleaved(servers: dict[str, Server], prompts: list, c: int, sampling: dict, rounds: int):
     """Each arm's totals over `rounds` slices of `prompts`; the arms take turns per slice, in
     an order rotated every slice, so slow and fast moments of the machine hit all alike."""
-    totals = {arm: {"tokens": 0, "seconds": 0.0, "deltas": {}} for arm in servers}
+    fields = ("tokens", "seconds", "steady_tokens", "steady_seconds")
+    totals = {arm: dict.fromkeys(fields, 0) | {"deltas": {}} for arm in servers}
     arms = list(servers)
     for i in range(rounds):
         part = prompts[i::rounds]
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
             got = run(servers[arm], part, c, sampling)
             total = totals[arm]
-            total["tokens"] += got["tokens"]
-            total["seconds"] += got["seconds"]
+            for field in fields:
+                total[field] += got[field]
             for key, value in got["deltas"].items():
                 total["deltas"][key] = total["deltas"].get(key, 0.0) + value
     return {
-        arm: {"tokens": t["tokens"], "seconds": t["seconds"], "tok_s": t["tokens"] / t["seconds"]}
+        arm: {field: t[field] for field in fields}
+        | {"tok_s": t["tokens"] / t["seconds"], "steady_tok_s": _rate(t)}
         | counts(t["deltas"])
         for arm, t in totals.items()
     }
+
+
+def _rate(totals: dict) -> float | None:
+    """Tokens per second while every user had a request in flight (None: too short a window
+    to say, when a slice has hardly more prompts than users)."""
+    if totals["steady_seconds"] < MIN_STEADY_SECONDS:
+        return None
+    return totals["steady_tokens"] / totals["steady_seconds"]
 
 
 def counts(deltas: dict[str, float]) -> dict:
@@ -346,15 +390,18 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    ar = {(r["concurrency"], r["set"]): r["tok_s"] for r in results if r["arm"] == "ar"}
-    columns = ["concurrency", "set", "arm", "tok/s", "× ar", "τ", "τ dflash (predicted)"]
+    ar = {(r["concurrency"], r["set"]): r for r in results if r["arm"] == "ar"}
+    columns = ["concurrency", "set", "arm", "tok/s", "× ar", "steady × ar", "τ"]
+    columns += ["τ dflash (predicted)"]
     more = ["τ suffix (predicted)", "τ shared (predicted)", "plain steps"]
     more += ["step ms measured / predicted"]
     print("| " + " | ".join([*columns, *more]) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * (len(columns) + len(more)))
     for r in results:
-        base = ar.get((r["concurrency"], r["set"]))
-        ratio = f"{r['tok_s'] / base:.2f}" if base else "–"
+        base = ar.get((r["concurrency"], r["set"]), {})
+        ratio = _num(r["tok_s"] / base["tok_s"] if base else None)
+        steady, steady_base = r.get("steady_tok_s"), base.get("steady_tok_s")
+        steady_ratio = _num(steady / steady_base if steady and steady_base else None)
         src, expected = r["tau_by_source"], r.get("predicted_tau_by_source", {})
         fmt = [_num(r["tau"])]
         fmt += [f"{_num(src[s])} ({_num(expected.get(s))})" for s in ("dflash", "suffix", "shared")]
@@ -365,6 +412,7 @@ def print_table(results: list[dict]) -> None:
         )
         print(
             f"| {r['concurrency']} | {r['set']} | {r['arm']} | {r['tok_s']:.1f} | {ratio} | "
+            + f"{steady_ratio} | "
             + " | ".join(fmt)
             + f" | {times or '–'} |"
         )

@@ -3,6 +3,7 @@ replicas) and SGLang's router (the cluster's front), each on a loopback port."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -139,3 +140,19 @@ class Server(ManagedProcess):
         r = requests.post(self.url + "/generate", json=body, timeout=600)
         r.raise_for_status()
         return r.json()
+
+    def generate_stream(
+        self, input_ids: list[int], stream_interval: int, **sampling
+    ) -> list[tuple[float, int]]:
+        """POST /generate streamed, a chunk per `stream_interval` tokens: (arrival time on
+        `time.perf_counter`, tokens generated so far) per chunk."""
+        params = {"temperature": 0, "stream_interval": stream_interval, **sampling}
+        body = {"input_ids": input_ids, "sampling_params": params, "stream": True}
+        timeline = []
+        with requests.post(self.url + "/generate", json=body, timeout=600, stream=True) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    meta = json.loads(line[len(b"data: ") :])["meta_info"]
+                    timeline.append((time.perf_counter(), int(meta["completion_tokens"])))
+        return timeline

@@ -27,3 +27,14 @@ def test_bad_arm_and_base_combinations_name_the_flag(args, message):
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_steady_window_counts_what_each_stream_delivered_by_then():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_proposers import tokens_by
+
+    timelines = [[(1.0, 8), (2.0, 16), (3.0, 20)], [(2.5, 8), (4.0, 9)], []]
+    assert tokens_by(timelines, 0.5) == 0
+    assert tokens_by(timelines, 2.0) == 16
+    assert tokens_by(timelines, 2.7) == 16 + 8
+    assert tokens_by(timelines, 9.0) == 20 + 9

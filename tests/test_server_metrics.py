@@ -132,3 +132,13 @@ def test_stats_endpoint_agrees_with_known_acceptance(echo_server):
     assert windowed["window"]["requested_steps"] == 5
     bad = requests.get(echo_server.url + "/dflash/stats?window_steps=0", timeout=30)
     assert 400 <= bad.status_code < 500 and "window_steps" in bad.text
+
+
+def test_streamed_generation_reports_tokens_as_they_arrive(echo_server):
+    """`Server.generate_stream` (the benchmarks' steady-window counts): a chunk once at least
+    `stream_interval` tokens are unsent, each with the running token count."""
+    prompt = list(range(10, 40))
+    timeline = echo_server.generate_stream(prompt, 8, max_new_tokens=MAX_NEW, ignore_eos=True)
+    times, counts = zip(*timeline, strict=True)
+    assert list(times) == sorted(times) and list(counts) == sorted(counts)
+    assert counts[-1] == MAX_NEW and len(timeline) >= MAX_NEW // 8
