@@ -185,9 +185,14 @@ def test_every_dashboard_query_returns_data(live_dflash, prometheus, traffic):
     (tau,) = query(prometheus, promql(expr_with("1 + sum(", "dflash_num_drafts_total")))
     assert 1.0 <= float(tau["value"][1]) <= 8.0  # block 8: up to 7 accepted drafts + the bonus
     # Per source: only the DFlash block proposes on this server (suffix lookup is off).
-    (by_source,) = query(prometheus, promql(expr_with("sum by (source)", "1 + ")))
-    assert by_source["metric"] == {"source": "dflash"}
-    assert 1.0 <= float(by_source["value"][1]) <= 8.0
+    by_source = expr_with("sum by (source)", "1 + ", "dflash_num_accepted_tokens_total")
+    (got,) = query(prometheus, promql(by_source))
+    assert got["metric"] == {"source": "dflash"}
+    assert 1.0 <= float(got["value"][1]) <= 8.0
+    # Beside it, the τ the planner expected of the same request-steps.
+    (expected,) = query(prometheus, promql(expr_with("predicted_accepted_tokens_total")))
+    assert expected["metric"] == {"source": "dflash"}
+    assert 1.0 < float(expected["value"][1]) <= 8.0
     per_position = query(prometheus, promql(expr_with("per_pos")))
     assert {s["metric"]["position"] for s in per_position} == {str(k) for k in range(7)}
     # The scrape job's relabelling left no OpenMetrics-escaped `sglang_*` name behind.
