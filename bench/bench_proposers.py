@@ -392,11 +392,10 @@ def main() -> None:
 def print_table(results: list[dict]) -> None:
     ar = {(r["concurrency"], r["set"]): r for r in results if r["arm"] == "ar"}
     columns = ["concurrency", "set", "arm", "tok/s", "× ar", "steady × ar", "τ"]
-    columns += ["τ dflash (predicted)"]
-    more = ["τ suffix (predicted)", "τ shared (predicted)", "plain steps"]
-    more += ["step ms measured / predicted"]
-    print("| " + " | ".join([*columns, *more]) + " |")
-    print("|" + "---|" * (len(columns) + len(more)))
+    columns += [f"τ {s} (predicted)" for s in ("dflash", "suffix", "shared")]
+    columns += ["plain steps", "step ms measured / predicted"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in results:
         base = ar.get((r["concurrency"], r["set"]), {})
         ratio = _num(r["tok_s"] / base["tok_s"] if base else None)

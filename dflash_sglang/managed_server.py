@@ -135,8 +135,7 @@ class Server(ManagedProcess):
         **sampling,
     ):
         """POST /generate; `sampling` goes to sampling_params, `request` to the top level."""
-        body = {"sampling_params": {"temperature": 0, **sampling}, **(request or {})}
-        body |= {"text": text} if input_ids is None else {"input_ids": input_ids}
+        body = _generate_body(text, input_ids, sampling) | (request or {})
         r = requests.post(self.url + "/generate", json=body, timeout=600)
         r.raise_for_status()
         return r.json()
@@ -146,8 +145,8 @@ class Server(ManagedProcess):
     ) -> list[tuple[float, int]]:
         """POST /generate streamed, a chunk per `stream_interval` tokens: (arrival time on
         `time.perf_counter`, tokens generated so far) per chunk."""
-        params = {"temperature": 0, "stream_interval": stream_interval, **sampling}
-        body = {"input_ids": input_ids, "sampling_params": params, "stream": True}
+        sampling = {"stream_interval": stream_interval, **sampling}
+        body = _generate_body(None, input_ids, sampling) | {"stream": True}
         timeline = []
         with requests.post(self.url + "/generate", json=body, timeout=600, stream=True) as r:
             r.raise_for_status()
@@ -156,3 +155,9 @@ class Server(ManagedProcess):
                     meta = json.loads(line[len(b"data: ") :])["meta_info"]
                     timeline.append((time.perf_counter(), int(meta["completion_tokens"])))
         return timeline
+
+
+def _generate_body(text: str | None, input_ids: list[int] | None, sampling: dict) -> dict:
+    """A /generate request: greedy unless `sampling` says otherwise."""
+    body: dict = {"sampling_params": {"temperature": 0, **sampling}}
+    return body | ({"text": text} if input_ids is None else {"input_ids": input_ids})

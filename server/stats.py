@@ -128,6 +128,19 @@ def _step_time(new: Snapshot, old: Snapshot) -> dict[str, dict]:
     return metrics.step_time_means(sums)
 
 
+def _tau_by_source(
+    new: Snapshot, old: Snapshot, accepted: dict[str, float], accepted_old: dict[str, float]
+) -> dict[str, float | None]:
+    """τ per source over (old, new] with `accepted` tokens per source (accepted, or expected)."""
+    return {
+        source: metrics.tau(
+            _delta(accepted, accepted_old, source),
+            _delta(new.drafts_by_source, old.drafts_by_source, source),
+        )
+        for source in SOURCES
+    }
+
+
 def summarize(new: Snapshot, old: Snapshot | None) -> dict:
     """Stats over (old, new]; with no `old`, since start. τ includes the bonus token."""
     base = old or Snapshot(time=new.time)
@@ -138,20 +151,14 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
     seconds = new.time - base.time
     positions = sorted(new.accepted_per_pos)
 
-    def tau_of(by_source: str, source: str) -> float | None:
-        return metrics.tau(
-            _delta(getattr(new, by_source), getattr(base, by_source), source),
-            _delta(new.drafts_by_source, base.drafts_by_source, source),
-        )
-
     return {
         "request_steps": new.request_steps - base.request_steps,
         "tau": metrics.tau(accepted, drafts),
-        "tau_by_source": {source: tau_of("accepted_by_source", source) for source in SOURCES},
+        "tau_by_source": _tau_by_source(new, base, new.accepted_by_source, base.accepted_by_source),
         # What the adaptive planner expected of the proposals it chose (its estimates' bias)
-        "predicted_tau_by_source": {
-            source: tau_of("predicted_by_source", source) for source in SOURCES
-        },
+        "predicted_tau_by_source": _tau_by_source(
+            new, base, new.predicted_by_source, base.predicted_by_source
+        ),
         "drafts_by_source": {
             source: _delta(new.drafts_by_source, base.drafts_by_source, source)
             for source in SOURCES
