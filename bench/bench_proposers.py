@@ -21,15 +21,16 @@ suffix index must not be credited for replaying an output it already holds. Arms
             "shared" is today's default)
   tree      the default launch with two-branch trees priced by the planner (--dflash-tree on)
 Any arm named `ARM@base` is ARM served from git revision `--base` instead of this tree
-(before/after a change, in one interleaved run).
+(before/after a change, in one interleaved run), with `--base-draft`'s drafter if given.
 τ per source comes from the servers' `dflash_*` counters (before/after each run).
 
 Each user sends its next prompt when the last one returns, so a slice ends with a drain:
 the last requests run in a shrinking batch, and the slowest of them sets the slice's time.
 tok/s counts the whole slice (the drain included: a batch job's view, which charges an arm
-for how much its requests' speeds vary); steady tok/s counts the tokens streamed while
-every user still had a request in flight, up to the moment the last prompt was sent (a
-server under continuous load; None when a slice has hardly more prompts than users).
+for how much its requests' speeds vary); steady tok/s counts the tokens streamed from the
+first user's second prompt (the opening burst of simultaneous prefills behind) to the
+moment the last prompt was sent, while every user had a request in flight at staggered
+points (a server under continuous load; None when a slice has too few prompts per user).
 """
 
 from __future__ import annotations
@@ -145,30 +146,29 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: di
     lock = threading.Lock()
     before = server_metrics.scrape(server.url)
     start = time.perf_counter()
-    last_sent = start
+    sent: list[float] = []  # when each prompt was taken
 
     def user() -> list[list[tuple[float, int]]]:
-        nonlocal last_sent
         timelines = []
         while True:
             with lock:
                 if not pending:
                     return timelines
                 ids = pending.pop()
-                if not pending:
-                    last_sent = time.perf_counter()
+                sent.append(time.perf_counter())
             timelines.append(server.generate_stream(ids, STREAM_INTERVAL, **sampling))
 
     with ThreadPoolExecutor(concurrency) as pool:
         users = [pool.submit(user) for _ in range(concurrency)]
         timelines = [t for u in users for t in u.result()]
     elapsed = time.perf_counter() - start
+    first, last = sent[min(concurrency, len(sent) - 1)], sent[-1]  # the first refill, the last send
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
     return {
         "tokens": sum(t[-1][1] for t in timelines),
         "seconds": elapsed,
-        "steady_tokens": tokens_by(timelines, last_sent),
-        "steady_seconds": last_sent - start,
+        "steady_tokens": tokens_by(timelines, last) - tokens_by(timelines, first),
+        "steady_seconds": last - first,
         "deltas": deltas,
     }
 
@@ -202,8 +202,8 @@ def interleaved(servers: dict[str, Server], prompts: list, c: int, sampling: dic
 
 
 def _rate(totals: dict) -> float | None:
-    """Tokens per second while every user had a request in flight (None: too short a window
-    to say, when a slice has hardly more prompts than users)."""
+    """Tokens per second while every user had a request in flight, past the opening burst
+    (None: too short a window to say, when a slice has too few prompts per user)."""
     if totals["steady_seconds"] < MIN_STEADY_SECONDS:
         return None
     return totals["steady_tokens"] / totals["steady_seconds"]
@@ -276,6 +276,11 @@ def parse_args() -> argparse.Namespace:
         "credited for replaying outputs it holds",
     )
     ap.add_argument("--base", help="git revision the ARM@base arms serve")
+    ap.add_argument(
+        "--base-draft",
+        help="drafter dir (or 'random') the ARM@base arms serve (default: --draft's); with "
+        "--base HEAD, the same code with two drafters",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     arms = [arm.removesuffix(BASE) for arm in args.arms.split(",")]
@@ -292,6 +297,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--top-p: must be in (0, 1], got {args.top_p}")
     if (BASE in args.arms) != (args.base is not None):
         ap.error(f"--base: needed by, and only by, arms named ARM{BASE}")
+    if args.base_draft is not None and args.base is None:
+        ap.error("--base-draft: only with --base (it is the ARM@base arms' drafter)")
     if args.base is not None:
         rev = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
@@ -351,8 +358,8 @@ def main() -> None:
                 f"--concurrency {args.concurrency} needs {needed} distinct ones (fewer "
                 "--prompts or levels, or --repeat-prompts for arms without shared lookup)"
             )
+    base_draft = drafter(args.base_draft, target, work) if args.base_draft else draft
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
-    common += ["--speculative-draft-model-path", draft]
     servers: dict[str, Server] = {}
     results = []
     try:
@@ -361,7 +368,10 @@ def main() -> None:
             base = {"PYTHONPATH": str(base_tree(args.base, work)), "PYTHONSAFEPATH": "1"}
         for arm in args.arms.split(","):
             flags, env = ARMS[arm.removesuffix(BASE)], base if arm.endswith(BASE) else None
-            servers[arm] = Server([*common, *flags], work / f"{arm}.log", args.threads, env=env)
+            draft_flag = ["--speculative-draft-model-path", base_draft if env else draft]
+            servers[arm] = Server(
+                [*common, *draft_flag, *flags], work / f"{arm}.log", args.threads, env=env
+            )
         warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
         for server in servers.values():  # unmeasured
             run(server, [warm_up], 1, {"max_new_tokens": 16})

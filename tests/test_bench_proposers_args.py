@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_proposers.py"
         (["--arms", "ar", "--base", "HEAD"], "--base: needed by"),
         (["--arms", "ar@base", "--base", "no-such-rev"], "--base: 'no-such-rev' is not a commit"),
         (["--arms", "nope@base", "--base", "HEAD"], "--arms: unknown nope"),
+        (["--arms", "dx", "--base-draft", "d"], "--base-draft: only with --base"),
         (["--arms", "ar", "--temperature", "-1"], "--temperature: must be >= 0"),
         (["--arms", "ar", "--top-p", "0"], "--top-p: must be in (0, 1]"),
     ],
