@@ -1,7 +1,7 @@
 """Where two arms' decode steps differ, per function, from one interleaved run.
 
     python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
-        [--slice 8] [--rounds 6] [--time-calls] [--out F.json]
+        [--slice 8] [--rounds 6] [--time-calls] [--set math] [--out F.json]
 
 `profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
 of percent between them, so only ratios inside one arm compare. Here every arm's server is
@@ -24,6 +24,7 @@ per step between arms that take turns).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -33,8 +34,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+from bench_proposers import SET_NAMES, prompt_sets
 from profile_step import PROMPT, arm_args, scheduler_pid
 
 from dflash_sglang.managed_server import Server
@@ -93,13 +96,21 @@ def spy_command(pid: int, seconds: int, out: Path) -> list[str]:
             "--pid", str(pid), "--output", str(out), "--nonblocking"]  # fmt: skip
 
 
-def drive(server: Server, concurrency: int, seconds: float) -> tuple[int, float]:
-    """`concurrency` closed-loop clients for `seconds`: (output tokens, seconds taken)."""
-    stop, tokens = threading.Event(), []
+def drive(
+    server: Server, concurrency: int, seconds: float, prompts: Iterator[list[int]] | None = None
+) -> tuple[int, float]:
+    """`concurrency` closed-loop clients for `seconds`: (output tokens, seconds taken). Each
+    request is `PROMPT`, or the next of `prompts` (chat-templated ids) when given."""
+    stop, tokens, lock = threading.Event(), [], threading.Lock()
 
     def client() -> None:
         while not stop.is_set():
-            meta = server.generate(PROMPT, max_new_tokens=64, ignore_eos=True)["meta_info"]
+            if prompts is None:
+                prompt = {"text": PROMPT}
+            else:
+                with lock:
+                    prompt = {"input_ids": next(prompts)}
+            meta = server.generate(**prompt, max_new_tokens=64, ignore_eos=True)["meta_info"]
             tokens.append(meta["completion_tokens"])
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -122,6 +133,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
     ap.add_argument("--time-calls", action="store_true", help="time kernel and forward calls")
+    ap.add_argument(
+        "--set",
+        choices=SET_NAMES,
+        help="requests cycle through this held-out prompt set (every arm the same sequence; "
+        "distinct prompts of real lengths, so prefills are real) instead of one short prompt",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -136,7 +153,14 @@ def main() -> None:
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafters import default_draft_dir
 
-    arms = arm_args(ensure_default_target(), default_draft_dir())
+    target = ensure_default_target()
+    arms = arm_args(target, default_draft_dir())
+    prompts = None
+    if args.set:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        prompts = prompt_sets([args.set], tokenizer, 10**6, max_prompt_tokens=1024)[args.set]
     work = Path(tempfile.mkdtemp(prefix="dflash_interleaved_"))
     print(f"servers' logs and py-spy stacks in {work}", file=sys.stderr)
     servers: dict[str, Server] = {}
@@ -160,9 +184,10 @@ def main() -> None:
         ]
         time.sleep(3)  # py-spy attached
         tokens, elapsed = Counter(), Counter()
+        sequences = {name: itertools.cycle(prompts) if prompts else None for name in chosen}
         for _ in range(args.rounds):
             for name in chosen:
-                n, s = drive(servers[name], args.concurrency, args.slice)
+                n, s = drive(servers[name], args.concurrency, args.slice, sequences[name])
                 tokens[name] += n
                 elapsed[name] += s
         for spy in spies:
