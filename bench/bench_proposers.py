@@ -162,7 +162,7 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: di
         users = [pool.submit(user) for _ in range(concurrency)]
         timelines = [t for u in users for t in u.result()]
     elapsed = time.perf_counter() - start
-    first, last = sent[min(concurrency, len(sent) - 1)], sent[-1]  # the first refill, the last send
+    first, last = steady_window(sent, concurrency)
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
     return {
         "tokens": sum(t[-1][1] for t in timelines),
@@ -171,6 +171,13 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: di
         "steady_seconds": last - first,
         "deltas": deltas,
     }
+
+
+def steady_window(sent: list[float], users: int) -> tuple[float, float]:
+    """(first refill, last send) from the times prompts were taken, in order: the window in
+    which every user has a request in flight, the opening burst of `users` sends behind.
+    Empty (both ends the last send) when no user took a second prompt."""
+    return sent[min(users, len(sent) - 1)], sent[-1]
 
 
 def tokens_by(timelines: list[list[tuple[float, int]]], moment: float) -> int:
@@ -299,6 +306,9 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--base: needed by, and only by, arms named ARM{BASE}")
     if args.base_draft is not None and args.base is None:
         ap.error("--base-draft: only with --base (it is the ARM@base arms' drafter)")
+    for flag, value in (("--draft", args.draft), ("--base-draft", args.base_draft)):
+        if value not in (None, "random") and not (Path(value) / "config.json").is_file():
+            ap.error(f"{flag}: {value!r} is not a drafter directory (no config.json)")
     if args.base is not None:
         rev = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
@@ -367,11 +377,11 @@ def main() -> None:
         if args.base:  # PYTHONSAFEPATH: the working directory is not put ahead of it
             base = {"PYTHONPATH": str(base_tree(args.base, work)), "PYTHONSAFEPATH": "1"}
         for arm in args.arms.split(","):
-            flags, env = ARMS[arm.removesuffix(BASE)], base if arm.endswith(BASE) else None
-            draft_flag = ["--speculative-draft-model-path", base_draft if env else draft]
-            servers[arm] = Server(
-                [*common, *draft_flag, *flags], work / f"{arm}.log", args.threads, env=env
-            )
+            on_base = arm.endswith(BASE)
+            flags = ["--speculative-draft-model-path", base_draft if on_base else draft]
+            flags += ARMS[arm.removesuffix(BASE)]
+            env = base if on_base else None
+            servers[arm] = Server([*common, *flags], work / f"{arm}.log", args.threads, env=env)
         warm_up = chat_ids(tokenizer, "Say hello.")  # in no prompt set
         for server in servers.values():  # unmeasured
             run(server, [warm_up], 1, {"max_new_tokens": 16})
@@ -393,7 +403,9 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    report = {"draft": Path(draft).name, "args": vars(args), "runs": results}
+    # Drafters by name: the report holds no machine's paths.
+    names = {k: Path(v).name for k in ("draft", "base_draft") if (v := getattr(args, k))}
+    report = {"draft": Path(draft).name, "args": vars(args) | names, "runs": results}
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
