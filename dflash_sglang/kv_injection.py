@@ -12,14 +12,12 @@ RoPE and the value scale batched over layers: a dozen torch ops per step instead
 layer, which on a CPU is most of what injection costs (the GEMMs are tiny at decode).
 `dflash_sglang.kernels.kv_inject` is its one-launch Triton form for GPUs.
 
-`DeferredRows` holds committed rows between steps that do not draft, so that one injection
-writes many steps' rows (CPU; see its docstring for when they must be written).
+`held_rows.HeldRows` keeps committed rows back until something reads their slots (CPU).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -218,65 +216,3 @@ def _neox_rope(k: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
     x1, x2, tail = k[..., :half], k[..., half:rotary_dim], k[..., rotary_dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, tail], dim=-1)
-
-
-class DeferredRows:
-    """Committed rows whose draft K/V is not written yet: (target features, positions,
-    draft KV slots), oldest first, and the requests of the step that added the last ones.
-
-    On a CPU an injection costs about the same for one row as for a hundred: it streams
-    the `fc` and stacked K/V weights (5.5 MB for the bundled drafter) and runs a few dozen
-    small ops, ~0.9 ms of a 24 ms step at one request. A step that does not draft can leave
-    its rows here; one later call writes them all. Nothing may read a slot before its row
-    is written, so the caller writes them (`take`): before the drafter runs, before any
-    forward other than a decode step (a prefill reads radix-cached draft KV), once a
-    request that added rows has left the batch (its slots are cached, freed or reused from
-    the next scheduling round on: checked at the first step after, before any other row
-    is added, so one write never holds a slot twice), and when `max_rows` are held.
-    """
-
-    def __init__(self, max_rows: int) -> None:
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.max_rows = max_rows
-        self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._count = 0
-        # Held, not just their ids: a freed request's id could come back as another's.
-        self._reqs: tuple = ()
-
-    def __len__(self) -> int:
-        return self._count
-
-    def add(
-        self,
-        target_hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        commit_lens: torch.Tensor,
-        reqs: Sequence,
-    ) -> bool:
-        """Hold the committed rows of a step over `reqs`: arguments as `inject_stacked`'s
-        (`[bs*w]` rows in bs blocks, the first `commit_lens[i]` of block i committed).
-        True when `max_rows` or more are held."""
-        rows = committed_rows(commit_lens, slots.numel() // max(commit_lens.numel(), 1))
-        if rows.numel():
-            self._rows.append((target_hidden[rows], positions[rows], slots[rows]))
-            self._count += rows.numel()
-        self._reqs = tuple(reqs)
-        return self._count >= self.max_rows
-
-    def left_batch(self, reqs: Sequence) -> bool:
-        """Whether a request that added rows is not among `reqs` (the next step's batch)."""
-        if not self._count:
-            return False
-        present = {id(req) for req in reqs}
-        return any(id(req) not in present for req in self._reqs)
-
-    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every held row, concatenated in the order added; None when there are none."""
-        rows, self._rows, self._count, self._reqs = self._rows, [], 0, ()
-        if not rows:
-            return None
-        if len(rows) == 1:
-            return rows[0]
-        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))

@@ -20,7 +20,7 @@ PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
 DEFAULT_SHARED_TOKENS = 262144
 # Committed rows whose draft-KV injection may wait for one batched write (CPU): 1.5 MB of
 # bf16 features for the embedded pair (256 x 2,880 x 2 bytes).
-DEFAULT_DEFER_ROWS = 256
+DEFAULT_DEFER_ROWS = 4096
 # A request's own prompt tokens a restricted draft vocabulary takes in (`draft_vocab.prompt_extra`).
 DEFAULT_PROMPT_VOCAB = 256
 
@@ -38,7 +38,7 @@ class SpecOptions:
     explore_every: int = 25  # planner steps between exploratory widths; 0: never
     explore_budget: float = 0.01  # share of step time exploration may add
     kernels: str = "ours"  # GPU: our Triton KV injection and acceptance, or "upstream"
-    defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: injection deferred up to this many rows; 0: off
+    defer_rows: int = DEFAULT_DEFER_ROWS  # CPU: draft-KV rows held until read, at most; 0: off
     prompt_vocab: int = DEFAULT_PROMPT_VOCAB  # prompt tokens joining a restricted vocab; 0: off
     tree: str = "off"  # two-branch trees (DFlash + suffix): "on", "off", "always" (comparisons)
 
@@ -274,10 +274,11 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         type=_non_negative("--dflash-defer-injection"),
         default=DEFAULT_DEFER_ROWS,
         metavar="ROWS",
-        help="on CPU, steps that do not draft leave their committed tokens' draft-KV "
-        "injection for one batched write, before the drafter next runs, a prefill, a "
-        f"request leaving the batch, or ROWS tokens held (default {DEFAULT_DEFER_ROWS}; "
-        "0: inject every step, as on GPU, where injection is one fused kernel)",
+        help="on CPU, committed tokens' draft-KV rows are held until read: written before "
+        "the drafter next runs for their request or a prefill's radix-cached prefix covers "
+        "them; rows of finished requests not read by then are dropped once ROWS are held "
+        f"(default {DEFAULT_DEFER_ROWS}; 0: inject every step, as on GPU, where injection "
+        "is one fused kernel)",
     )
     group.add_argument(
         "--dflash-prompt-vocab",

@@ -134,8 +134,8 @@ class Platform:
     # (target model runner, candidate widths, block size) -> per-width verify graphs, or
     # None where the target has no graphs to swap (CPU).
     verify_graphs: Callable[..., VerifyGraphs | None] = _no_op
-    # Steps that do not draft may defer KV injection (`kv_injection.DeferredRows`): on CPU
-    # an injection costs nearly the same for one row as for many; on GPU it is one kernel.
+    # Committed rows may wait for their draft-KV injection until read (`held_rows`): on CPU
+    # each injection call and row costs; on GPU injection is one kernel per step.
     defer_injection: bool = False
     # Two-branch tree verify (`tree.py`): (target model runner) -> whether its attention
     # takes a tree. Our CPU backend reads `TreeVerifyInput.tree`; on GPU FlashInfer reads the

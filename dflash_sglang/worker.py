@@ -61,6 +61,7 @@ from dflash_sglang import (
 )
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
 from dflash_sglang.block import assemble_candidates, build_draft_block
+from dflash_sglang.held_rows import HeldRows, Rows
 from dflash_sglang.metrics import PrometheusMetrics
 from dflash_sglang.options import SpecOptions
 from dflash_sglang.proposals import Planner, StepPlan
@@ -152,9 +153,9 @@ class DFlashXWorker(DFlashWorkerV2):
         self._prompt_extras: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Plans awaiting accepted counts, with a tree step's per-branch counts.
         self._pending_plans: deque[tuple[StepPlan, TreeAcceptance | None]] = deque(maxlen=4)
-        self._deferred: kv_injection.DeferredRows | None = None
+        self._held: HeldRows | None = None
         if self.platform.defer_injection and self.options.defer_rows:
-            self._deferred = kv_injection.DeferredRows(self.options.defer_rows)
+            self._held = HeldRows(self.options.defer_rows)
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
         self._verify_graphs = self.platform.verify_graphs(
             self.target_worker.model_runner, self.planner.widths, int(self.block_size)
@@ -188,7 +189,7 @@ class DFlashXWorker(DFlashWorkerV2):
     ) -> GenerationBatchResult:
         mode = batch.forward_mode
         if mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
-            self._write_deferred()  # a prefill may read radix-cached draft KV
+            self._before_prefill(batch)
             # Prefill (target forward + KV injection of prompt features) is upstream's.
             result = super().forward_batch_generation(
                 batch, on_publish, grammar_barrier, pp_proxy_tensors
@@ -209,8 +210,8 @@ class DFlashXWorker(DFlashWorkerV2):
         prefix_lens = batch.seq_lens
         host_lens = self._host_prefix_lens(batch, draft_input)
         start = self._observe_step_start()
-        if self._deferred is not None and self._deferred.left_batch(batch.reqs):
-            self._write_deferred()
+        if self._held is not None:
+            self._held.retire(batch.reqs)
         plan = self.plan_step(batch, host_lens)
 
         # 1) Propose; 2) verify the first `width` tokens in one target forward (a chain, or
@@ -268,7 +269,8 @@ class DFlashXWorker(DFlashWorkerV2):
         width, its graphs unchanged) when any request takes it; suffix proposals replace
         the rows of requests that take them."""
         if plan.run_draft:
-            self._write_deferred()  # the drafter reads every committed token's draft KV
+            if self._held is not None:  # the drafter reads its batch's committed draft KV
+                self._write_rows(self._held.take_running())
             drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
         else:
             drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
@@ -730,8 +732,8 @@ class DFlashXWorker(DFlashWorkerV2):
         return acceptance.commit(chain, walked.accept_lens, walked.bonus), walked, slots
 
     def _inject_committed(self, logits_output, slots: BlockSlots, commit_lens, reqs) -> None:
-        """Write the committed rows' draft K/V now, or hold them for a later batched write
-        (`kv_injection.DeferredRows`, CPU)."""
+        """Write the committed rows' draft K/V now, or hold them until read (`HeldRows`,
+        CPU)."""
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DFLASH_X verify returned no target hidden states")
@@ -742,9 +744,10 @@ class DFlashXWorker(DFlashWorkerV2):
             draft_loc = permute_rows(draft_loc.view(bs, width), slots.order).view(-1)
         hidden = hidden[: bs * width]
         # HiCache may copy draft KV to the host once a step returns: rows must be written.
-        if self._deferred is not None and self.hicache_draft_plan.mode == HiCacheDraftMode.NONE:
-            if self._deferred.add(hidden, slots.positions, draft_loc, commit_lens, reqs):
-                self._write_deferred()
+        if self._held is not None and self.hicache_draft_plan.mode == HiCacheDraftMode.NONE:
+            if self._held.room() < draft_loc.numel():
+                self._write_rows(self._held.flush())
+            self._held.add(hidden, slots.positions, draft_loc, commit_lens, reqs)
             return
         self._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=hidden,
@@ -754,9 +757,27 @@ class DFlashXWorker(DFlashWorkerV2):
             commit_lens=commit_lens,
         )
 
-    def _write_deferred(self) -> None:
-        """Inject every deferred row in one call (all of them committed)."""
-        rows = self._deferred.take() if self._deferred is not None else None
+    def _before_prefill(self, batch: ScheduleBatch) -> None:
+        """A prefill writes draft KV at its new slots and a later draft reads its prefix:
+        held rows at the new slots are stale, held rows in a radix-cached prefix (the last
+        turn's reply) are written now. Draft KV ids are the target's here (CPU: no translation)."""
+        if self._held is None or batch.forward_mode.is_idle() or batch.prefix_lens is None:
+            return
+        if batch.out_cache_loc is not None:
+            self._held.discard(batch.out_cache_loc)
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        prefixes = [
+            req_to_token[pool_index, :length]
+            for pool_index, length in zip(
+                batch.req_pool_indices.tolist(), batch.prefix_lens, strict=True
+            )
+            if length
+        ]
+        if prefixes:
+            self._write_rows(self._held.take_slots(torch.cat(prefixes)))
+
+    def _write_rows(self, rows: Rows | None) -> None:
+        """Inject held rows (all of them committed) in one call."""
         if rows is not None:
             hidden, positions, draft_loc = rows
             self._append_target_hidden_to_draft_kv_by_loc(

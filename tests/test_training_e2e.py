@@ -80,11 +80,18 @@ def _serve_and_compare(run, drafter_dir, samples, log_path, prompt_vocab=None) -
 
 
 def _drafts_by_source(server: Server, samples) -> tuple[list, dict[tuple[str, str], float]]:
-    """(output ids and verify steps per request, {(counter, source): delta}) of `samples`."""
+    """(output ids and verify steps per request, {(counter, source): delta}) of `samples`,
+    then of a second turn after each of the first three: its prompt is the first turn's
+    prompt and reply (a radix-cache hit, the reply's draft KV included) and a new question."""
     before = server_metrics.scrape(server.url)
     results = []
     for s in samples:
         meta = server.generate(input_ids=s["prompt_ids"], max_new_tokens=NEW, ignore_eos=True)
+        results.append((meta["output_ids"], meta["meta_info"]["spec_verify_ct"]))
+    for (first, _), s, question in zip(results[:3], samples, samples[3:], strict=False):
+        turn = [*s["prompt_ids"], *first, *question["prompt_ids"][:8]]
+        meta = server.generate(input_ids=turn, max_new_tokens=NEW, ignore_eos=True)
+        assert meta["meta_info"]["cached_tokens"] >= len(s["prompt_ids"]) + len(first) // 2
         results.append((meta["output_ids"], meta["meta_info"]["spec_verify_ct"]))
     deltas = server_metrics.counter_deltas(before, server_metrics.scrape(server.url))
     counts = {
@@ -97,9 +104,10 @@ def _drafts_by_source(server: Server, samples) -> tuple[list, dict[tuple[str, st
 
 def _deferred_injection_drafts_as_immediate(run, drafter_dir, samples, log_dir) -> None:
     """Suffix proposals taken whenever one exists, the DFlash block otherwise: the drafter
-    runs on some steps only, so rows of the steps between wait in `DeferredRows` (the
-    default on CPU). Every DFlash proposal must still see the draft KV it would have seen
-    with injection every step: the same steps and acceptance per source."""
+    runs on some steps only, so rows of the steps between wait in `HeldRows` (the default
+    on CPU), and second turns read the first turns' replies from the radix cache. Every
+    DFlash proposal must still see the draft KV it would have seen with injection every
+    step: the same steps and acceptance per source."""
     args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
     args += ["--speculative-draft-model-path", str(drafter_dir)]
     args += ["--dflash-adaptive", "off", "--dflash-suffix", "always"]
