@@ -1,14 +1,15 @@
-"""Committed rows held back from the draft KV cache until the drafter reads them (CPU).
+"""Committed rows held back from the draft KV cache until something reads them (CPU).
 
-On a CPU, injecting a token's target features into the draft KV cache costs ~17 µs a row
-(the `fc` and stacked K/V GEMMs) and ~0.5 ms a call. Under load the planner runs the
-drafter on few steps, and a row only matters once the drafter runs over its request:
-every row a running request owns — its prompt's (`add_prompt`), its committed tokens'
-(`add`), and those of a radix-cached prefix it reuses (`adopt`: the next turn of a
-conversation reads the last turn's reply) — is written then, in one call (`take_running`).
+On a CPU, injecting a committed token's target features into the draft KV cache costs
+~17 µs a row (the `fc` and stacked K/V GEMMs) and ~0.5 ms a call. Under load the planner
+runs the drafter on few steps, and a row only matters once something reads its slot:
 
-Rows of requests that left the batch wait for a later prefix match and are dropped when
-the holder fills (`flush`): a missing draft KV row can only lower acceptance, never change
+- the drafter, over the requests of its batch: `take_running` before it runs;
+- a prefill whose radix-cache prefix covers the slot (the next turn of a conversation
+  reads the last turn's reply): `take_slots` before it runs.
+
+Rows of requests that left the batch wait for the second case and are dropped when the
+holder fills (`flush`): a missing draft KV row can only lower acceptance, never change
 the output, which the target verifies token by token.
 
 A slot that is freed and given to another request must never receive its old row after
@@ -54,7 +55,7 @@ class HeldRows:
 
     def retire(self, reqs: Sequence) -> None:
         """`reqs` is the decode batch: rows of requests not in it (finished or retracted)
-        are no longer the drafter's, only a later prefix match's (`adopt`)."""
+        are no longer the drafter's, only a later prefix match's."""
         present = {id(req) for req in reqs}
         gone = [key for key in self._running if key not in present]
         if not gone:
@@ -76,31 +77,11 @@ class HeldRows:
         (`room`, `flush`)."""
         bs = commit_lens.numel()
         width = slots.numel() // max(bs, 1)
-        owners = self._serials_of(reqs)
+        owners = torch.tensor([self._serial_of(req) for req in reqs], dtype=torch.int64)
         if width > 1:  # a plain-decoding step commits its one row per request
             rows = committed_rows(commit_lens, width)
             target_hidden, positions, slots = target_hidden[rows], positions[rows], slots[rows]
             owners = owners[rows // width]
-        self._put(target_hidden, positions, slots, owners)
-
-    def add_prompt(
-        self,
-        target_hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        extend_lens: Sequence[int],
-        reqs: Sequence,
-    ) -> None:
-        """Hold a prefill's rows: request i's `extend_lens[i]` new tokens, in batch order."""
-        owners = torch.repeat_interleave(self._serials_of(reqs), torch.tensor(extend_lens))
-        self._put(target_hidden, positions, slots, owners)
-
-    def adopt(self, slots: torch.Tensor, req) -> None:
-        """`req` reuses `slots` from the radix cache: their held rows are its to read now."""
-        rows = self._rows_at(slots)
-        self._owner[rows[rows >= 0]] = self._serial_of(req)
-
-    def _put(self, target_hidden, positions, slots, owners) -> None:
         n = slots.numel()
         if n > self.room():
             raise RuntimeError(f"{n} rows do not fit in {self.room()} (flush first)")
@@ -123,6 +104,11 @@ class HeldRows:
         rows = self._rows_at(slots)
         self._drop(rows[rows >= 0])
 
+    def take_slots(self, slots: torch.Tensor) -> Rows | None:
+        """The held rows at `slots` (a prefill's radix-cached prefix), released."""
+        rows = self._rows_at(slots)
+        return self._take(rows[rows >= 0])
+
     def take_running(self) -> Rows | None:
         """Every held row of a request still in the batch, in the order added, released."""
         live = self._valid[: self._head] & (self._owner[: self._head] >= 0)
@@ -134,9 +120,6 @@ class HeldRows:
         self._drop(self._valid[: self._head].nonzero().view(-1))
         self._head = 0
         return rows
-
-    def _serials_of(self, reqs: Sequence) -> torch.Tensor:
-        return torch.tensor([self._serial_of(req) for req in reqs], dtype=torch.int64)
 
     def _serial_of(self, req) -> int:
         entry = self._running.get(id(req))

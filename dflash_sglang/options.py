@@ -20,7 +20,7 @@ PURE_DFLASH_ARGS = ("--dflash-adaptive", "off", "--dflash-suffix", "off")
 DEFAULT_SHARED_TOKENS = 262144
 # Committed rows whose draft-KV injection may wait for one batched write (CPU): 1.5 MB of
 # bf16 features for the embedded pair (256 x 2,880 x 2 bytes).
-DEFAULT_DEFER_ROWS = 16384
+DEFAULT_DEFER_ROWS = 4096
 # A request's own prompt tokens a restricted draft vocabulary takes in (`draft_vocab.prompt_extra`).
 DEFAULT_PROMPT_VOCAB = 256
 
@@ -274,11 +274,11 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         type=_non_negative("--dflash-defer-injection"),
         default=DEFAULT_DEFER_ROWS,
         metavar="ROWS",
-        help="on CPU, prompt and committed tokens' draft-KV rows are held until the drafter "
-        "next runs over their request (or over a later request reusing them from the radix "
-        "cache), then written in one call; rows of finished requests no one reused are "
-        f"dropped once ROWS are held (default {DEFAULT_DEFER_ROWS}; 0: inject every step, "
-        "as on GPU, where injection is one fused kernel)",
+        help="on CPU, committed tokens' draft-KV rows are held until read: written before "
+        "the drafter next runs for their request or a prefill's radix-cached prefix covers "
+        "them; rows of finished requests not read by then are dropped once ROWS are held "
+        f"(default {DEFAULT_DEFER_ROWS}; 0: inject every step, as on GPU, where injection "
+        "is one fused kernel)",
     )
     group.add_argument(
         "--dflash-prompt-vocab",

@@ -156,7 +156,6 @@ class DFlashXWorker(DFlashWorkerV2):
         self._held: HeldRows | None = None
         if self.platform.defer_injection and self.options.defer_rows:
             self._held = HeldRows(self.options.defer_rows)
-        self._prefilling: list | None = None  # the requests of the prefill under way
         self._ours = self.platform.triton_kernels and self.options.kernels == "ours"
         self._verify_graphs = self.platform.verify_graphs(
             self.target_worker.model_runner, self.planner.widths, int(self.block_size)
@@ -191,15 +190,10 @@ class DFlashXWorker(DFlashWorkerV2):
         mode = batch.forward_mode
         if mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
             self._before_prefill(batch)
-            # Prefill (target forward + KV injection of prompt features) is upstream's; the
-            # prompt's rows are held (`_append_target_hidden_to_draft_kv_by_loc`).
-            self._prefilling = batch.reqs
-            try:
-                result = super().forward_batch_generation(
-                    batch, on_publish, grammar_barrier, pp_proxy_tensors
-                )
-            finally:
-                self._prefilling = None
+            # Prefill (target forward + KV injection of prompt features) is upstream's.
+            result = super().forward_batch_generation(
+                batch, on_publish, grammar_barrier, pp_proxy_tensors
+            )
             self._last_step = None  # a prefill's time is not a decode step's
             if self.metrics is not None:
                 self.metrics.observe_prefill(radix_hit_tokens(batch.reqs, self._radix_counted))
@@ -223,7 +217,6 @@ class DFlashXWorker(DFlashWorkerV2):
         # 1) Propose; 2) verify the first `width` tokens in one target forward (a chain, or
         # a tree of DFlash and suffix branches); 3) accept the longest matching prefix plus
         # the target's bonus token.
-        start += self._catch_up(plan)  # a one-off, not the step's cost
         t0 = time.perf_counter()
         timer = self.platform.start_timer() if plan.run_draft else None
         candidates = self.propose(batch, draft_input, plan, prefix_lens, host_lens)
@@ -276,6 +269,8 @@ class DFlashXWorker(DFlashWorkerV2):
         width, its graphs unchanged) when any request takes it; suffix proposals replace
         the rows of requests that take them."""
         if plan.run_draft:
+            if self._held is not None:  # the drafter reads its batch's committed draft KV
+                self._write_rows(self._held.take_running())
             drafts = self.draft_block(batch, draft_input, prefix_lens, host_lens)
         else:
             drafts = draft_input.bonus_tokens.view(-1, 1).to(torch.int64)
@@ -749,7 +744,9 @@ class DFlashXWorker(DFlashWorkerV2):
             draft_loc = permute_rows(draft_loc.view(bs, width), slots.order).view(-1)
         hidden = hidden[: bs * width]
         # HiCache may copy draft KV to the host once a step returns: rows must be written.
-        if self._holding(draft_loc.numel()):
+        if self._held is not None and self.hicache_draft_plan.mode == HiCacheDraftMode.NONE:
+            if self._held.room() < draft_loc.numel():
+                self._write_rows(self._held.flush())
             self._held.add(hidden, slots.positions, draft_loc, commit_lens, reqs)
             return
         self._append_target_hidden_to_draft_kv_by_loc(
@@ -760,43 +757,24 @@ class DFlashXWorker(DFlashWorkerV2):
             commit_lens=commit_lens,
         )
 
-    def _catch_up(self, plan: StepPlan) -> float:
-        """Before the drafter runs, write every held row of its batch; the seconds it took.
-        After plain-decoding steps that is a one-off catch-up, not what a drafting step
-        costs, so the step's time for the planner leaves it out."""
-        if not plan.run_draft or self._held is None:
-            return 0.0
-        start = time.perf_counter()
-        self._write_rows(self._held.take_running())
-        return time.perf_counter() - start
-
-    def _holding(self, rows: int) -> bool:
-        """Whether `rows` new rows are held (making room if need be) rather than written.
-        Not with HiCache holding draft KV: it may copy the draft KV to the host after a step."""
-        if self._held is None or self.hicache_draft_plan.mode != HiCacheDraftMode.NONE:
-            return False
-        if rows > self._held.capacity:
-            return False
-        if self._held.room() < rows:
-            self._write_rows(self._held.flush())
-        return True
-
     def _before_prefill(self, batch: ScheduleBatch) -> None:
-        """A prefill writes draft KV at its new slots and its requests' drafts will read
-        their prefixes: held rows at the new slots are stale, held rows in a radix-cached
-        prefix (the last turn's reply) become the request's. Draft KV ids are the target's
-        here (CPU: no translation)."""
+        """A prefill writes draft KV at its new slots and a later draft reads its prefix:
+        held rows at the new slots are stale, held rows in a radix-cached prefix (the last
+        turn's reply) are written now. Draft KV ids are the target's here (CPU: no translation)."""
         if self._held is None or batch.forward_mode.is_idle() or batch.prefix_lens is None:
             return
         if batch.out_cache_loc is not None:
             self._held.discard(batch.out_cache_loc)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        pool_indices = batch.req_pool_indices.tolist()
-        for req, pool_index, length in zip(
-            batch.reqs, pool_indices, batch.prefix_lens, strict=True
-        ):
-            if length:
-                self._held.adopt(req_to_token[pool_index, :length], req)
+        prefixes = [
+            req_to_token[pool_index, :length]
+            for pool_index, length in zip(
+                batch.req_pool_indices.tolist(), batch.prefix_lens, strict=True
+            )
+            if length
+        ]
+        if prefixes:
+            self._write_rows(self._held.take_slots(torch.cat(prefixes)))
 
     def _write_rows(self, rows: Rows | None) -> None:
         """Inject held rows (all of them committed) in one call."""
@@ -816,15 +794,8 @@ class DFlashXWorker(DFlashWorkerV2):
         commit_lens: torch.Tensor | None = None,
         extend_lens: torch.Tensor | None = None,
     ) -> None:
-        """KV injection seam: a prefill's rows held (CPU), else the stacked path (our Triton
-        kernel, or its torch form on CPU), else upstream's fused path (GPU), else
-        `kv_injection.inject` per layer."""
-        if extend_lens is not None and self._prefilling and self._holding(cache_loc.numel()):
-            lens = extend_lens.tolist()
-            n = sum(lens)  # the write ids may be padded past the batch's tokens
-            rows = (target_hidden[:n], positions[:n], cache_loc[:n])
-            self._held.add_prompt(*rows, lens, self._prefilling)
-            return
+        """KV injection seam: the stacked path (our Triton kernel, or its torch form on CPU),
+        else upstream's fused path (GPU), else `kv_injection.inject` per layer."""
         stacked = self._stacked_injection
         if stacked is not None:
             weights, inject = stacked

@@ -57,7 +57,7 @@ def test_running_rows_come_back_in_order_committed_only_as_copies():
     assert held.room() == 100  # nothing valid left: the ring starts over
 
 
-def test_rows_of_a_request_that_left_wait_for_a_prefix_match():
+def test_rows_of_a_request_that_left_wait_for_a_prefix_read():
     held = HeldRows(capacity=100)
     a, b = Req(), Req()
     _step(held, 0.0, [10, 20], [a, b])
@@ -66,21 +66,8 @@ def test_rows_of_a_request_that_left_wait_for_a_prefix_match():
     _step(held, 4.0, [22], [b])
     assert _values(held.take_running()) == [1.0, 3.0, 4.0]  # b's rows only
     assert len(held) == 2  # a's, for a later prefill whose prefix covers them
-    c = Req()
-    held.adopt(torch.tensor([5, 11, 99_999]), c)  # c's radix-cached prefix: a's slot 11
-    assert _values(held.take_running()) == [2.0]
-    held.retire([c])
-    assert len(held) == 1 and held.take_running() is None  # slot 10's waits on
-
-
-def test_prompt_rows_belong_to_their_requests():
-    held = HeldRows(capacity=100)
-    a, b = Req(), Req()
-    hidden = torch.arange(5.0).view(5, 1)
-    held.add_prompt(hidden, torch.arange(5), torch.arange(5) + 50, [3, 2], [a, b])
-    held.retire([b])  # a finished at its prefill
-    assert _values(held.take_running()) == [3.0, 4.0]
-    assert len(held) == 3
+    assert _values(held.take_slots(torch.tensor([5, 11, 10, 99_999]))) == [2.0, 0.0]
+    assert len(held) == 0 and held.room() == 100
 
 
 def test_a_slot_written_again_loses_its_held_row():
@@ -91,7 +78,8 @@ def test_a_slot_written_again_loses_its_held_row():
     held.discard(torch.tensor([10, 500]))  # a's slot now a new prompt's
     _step(held, 3.0, [20, 31], [b, c])  # slot 20 again: the newer row wins
     assert len(held) == 3
-    assert _values(held.take_running()) == [2.0, 3.0, 4.0]
+    assert _values(held.take_slots(torch.tensor([10, 20]))) == [3.0]
+    assert _values(held.take_running()) == [2.0, 4.0]
 
 
 def test_flush_writes_running_rows_and_drops_the_rest():
@@ -104,7 +92,8 @@ def test_flush_writes_running_rows_and_drops_the_rest():
     with pytest.raises(RuntimeError, match="flush first"):
         _step(held, 3.0, [22, 23], [b, Req()])
     assert _values(held.flush()) == [1.0, 2.0]
-    assert held.room() == 4 and len(held) == 0  # a's row was dropped
+    assert held.room() == 4 and len(held) == 0
+    assert held.take_slots(torch.tensor([10])) is None  # a's row was dropped
     with pytest.raises(ValueError, match="capacity"):
         HeldRows(capacity=0)
 
@@ -139,10 +128,9 @@ def test_one_held_write_equals_a_write_per_step(dtype_name):
         assert set(written.tolist()) <= set(rows[2].tolist())
 
 
-def test_a_prefill_adopts_the_held_rows_of_its_cached_prefix_and_drops_its_new_slots():
-    """The worker's seams: request 0 of the prefill matched slots 10-12 in the radix cache
-    (the last turn's reply), request 1 nothing; the prefill's own tokens go to 20-21 and
-    are held as theirs; the drafter then reads them all."""
+def test_a_prefill_writes_the_held_rows_of_its_cached_prefix_and_drops_its_new_slots():
+    """The worker's seam: request 0 of the prefill matched slots 10-12 in the radix cache
+    (the last turn's reply), request 1 nothing; the prefill's own tokens go to 20-21."""
     worker = object.__new__(DFlashXWorker)
     worker._held = HeldRows(capacity=100)
     written = []
@@ -155,23 +143,13 @@ def test_a_prefill_adopts_the_held_rows_of_its_cached_prefix_and_drops_its_new_s
     finished, running = Req(), Req()
     _step(worker._held, 0.0, [11, 20, 30], [finished, running, Req()])
     worker._held.retire([running])
-    new = [Req(), Req()]
     batch = SimpleNamespace(
         forward_mode=ForwardMode.EXTEND,
         prefix_lens=[3, 0],
         req_pool_indices=torch.tensor([2, 3]),
         out_cache_loc=torch.tensor([20, 21]),
-        reqs=new,
     )
     worker._before_prefill(batch)
-    assert written == [] and len(worker._held) == 2  # slot 20's row was stale
-    worker._prefilling = new
-    worker._append_target_hidden_to_draft_kv_by_loc(
-        target_hidden=torch.tensor([[7.0], [8.0], [0.0]]),
-        cache_loc=torch.tensor([20, 21, 0]),  # padded with the sink
-        positions=torch.tensor([3, 0, 0]),
-        extend_lens=torch.tensor([1, 1], dtype=torch.int32),
-    )
-    worker._held.retire(new)  # the first decode step
-    assert worker._catch_up(SimpleNamespace(run_draft=True)) >= 0.0
-    assert [_values(rows) for rows in written] == [[0.0, 7.0, 8.0]]
+    assert [_values(rows) for rows in written] == [[0.0]]
+    assert len(worker._held) == 1  # slot 30's; slot 20's row was stale
+    assert worker._held.take_running() is None  # its request left too
