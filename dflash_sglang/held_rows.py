@@ -46,6 +46,7 @@ class HeldRows:
         # Requests that added rows, by id, held so an id is not reused while we look.
         self._running: dict[int, tuple[object, int]] = {}
         self._serials = 0
+        self.dropped = 0  # rows dropped unread by `flush`, ever (a metric)
 
     def __len__(self) -> int:
         return int(self._valid[: self._head].sum())
@@ -117,7 +118,9 @@ class HeldRows:
     def flush(self) -> Rows | None:
         """The running rows, released; every other row dropped and the ring emptied."""
         rows = self.take_running()
-        self._drop(self._valid[: self._head].nonzero().view(-1))
+        unread = self._valid[: self._head].nonzero().view(-1)
+        self.dropped += unread.numel()
+        self._drop(unread)
         self._head = 0
         return rows
 

@@ -30,6 +30,13 @@ they appear on SGLang's own `/metrics` next to `sglang:*`:
                                                    (requests and radix cache)
   dflash_radix_reused_draft_kv_tokens_total        prompt tokens whose draft KV came from the
                                                    radix cache instead of being injected again
+  dflash_held_draft_kv_rows                        gauge: committed rows held, not written yet
+                                                   (CPU, `--dflash-defer-injection`)
+  dflash_dropped_draft_kv_rows_total               held rows of finished requests dropped
+                                                   unread when the holder filled: a later
+                                                   prefix match on them drafts without them
+                                                   (rising under multi-turn traffic: raise
+                                                   `--dflash-defer-injection`)
   dflash_suffix_shared_tokens                      gauge: tokens the shared suffix lookup holds
                                                    (warm-start corpus and finished outputs)
 
@@ -223,6 +230,16 @@ class PrometheusMetrics:
             PREFIX + "radix_reused_draft_kv_tokens",
             "Prompt tokens whose draft KV was reused from the radix cache, not re-injected.",
         )
+        self.held_rows = Gauge(
+            PREFIX + "held_draft_kv_rows",
+            "Committed draft-KV rows held until read, not written yet.",
+            multiprocess_mode="mostrecent",
+        )
+        self.dropped_rows = Counter(
+            PREFIX + "dropped_draft_kv_rows",
+            "Held draft-KV rows of finished requests dropped unread when the holder filled.",
+        )
+        self._dropped_seen = 0
         # Touch every series so dashboards see them from the first scrape.
         self._positions = [
             self.accepted_per_pos.labels(str(k)) for k in range(max_verify_width - 1)
@@ -278,6 +295,13 @@ class PrometheusMetrics:
 
     def set_draft_kv_rows(self, rows: int) -> None:
         self.draft_kv_rows.set(rows)
+
+    def set_held_rows(self, held: int, dropped_ever: int) -> None:
+        """`dropped_ever`: the holder's running total (`HeldRows.dropped`)."""
+        self.held_rows.set(held)
+        if dropped_ever > self._dropped_seen:
+            self.dropped_rows.inc(dropped_ever - self._dropped_seen)
+            self._dropped_seen = dropped_ever
 
     def set_shared_tokens(self, tokens: int) -> None:
         self.shared_tokens.set(tokens)

@@ -202,6 +202,8 @@ class DFlashXWorker(DFlashWorkerV2):
         if self.metrics is not None:
             allocator = self.model_runner.token_to_kv_pool_allocator
             self.metrics.set_draft_kv_rows(allocator.size - allocator.available_size())
+            if self._held is not None:
+                self.metrics.set_held_rows(len(self._held), self._held.dropped)
         return result
 
     def decode_step(self, batch: ScheduleBatch, on_publish, grammar_barrier):
@@ -307,9 +309,10 @@ class DFlashXWorker(DFlashWorkerV2):
 
         The text must end at the pending bonus token (the block's anchor, the one committed
         token without KV yet): with overlap scheduling `output_ids` trails by a step, and
-        such a request gets no proposal. Checked on host lengths, so no device sync.
+        such a request gets no proposal. Checked on host lengths, so no device sync. At
+        widths of 1 alone (`--dflash-widths 1`) nothing could verify a proposal: no lookup.
         """
-        if not self.options.suffix:
+        if not self.options.suffix or self.planner.widths[-1] == 1:
             return [()] * len(batch.reqs)
         if self._shared is not None:
             self._share_finished(batch.reqs)

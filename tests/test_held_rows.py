@@ -91,8 +91,10 @@ def test_flush_writes_running_rows_and_drops_the_rest():
     assert held.room() == 1
     with pytest.raises(RuntimeError, match="flush first"):
         _step(held, 3.0, [22, 23], [b, Req()])
+    assert held.dropped == 0
     assert _values(held.flush()) == [1.0, 2.0]
     assert held.room() == 4 and len(held) == 0
+    assert held.dropped == 1  # a's row, unread (the metric `dflash_dropped_draft_kv_rows`)
     assert held.take_slots(torch.tensor([10])) is None  # a's row was dropped
     with pytest.raises(ValueError, match="capacity"):
         HeldRows(capacity=0)

@@ -104,6 +104,9 @@ def test_radix_reuse_and_draft_kv_rows(echo_server):
         delta(after, before, "dflash_radix_reused_draft_kv_tokens_total") == meta["cached_tokens"]
     )
     assert after[("dflash_draft_kv_rows", ())] > 0
+    # The last step's committed rows wait for a reader (CPU); none were dropped unread.
+    assert after[("dflash_held_draft_kv_rows", ())] > 0
+    assert after[("dflash_dropped_draft_kv_rows_total", ())] == 0
 
 
 def test_radix_reuse_counts_no_chunked_prefill_prefix(echo_server):

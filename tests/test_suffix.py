@@ -272,3 +272,36 @@ def test_replay_cli_caps_outputs_and_refuses_a_negative_cap(tmp_path, capsys):
         main(["--heldout", str(heldout), "--max-output-tokens", "-1"])
     assert exc.value.code == 2
     assert "--max-output-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_the_worker_looks_nothing_up_when_no_width_could_verify_a_proposal():
+    """`--dflash-widths 1`: plain decoding throughout, so the per-step lookups (~0.6 ms a
+    step at sixteen requests) are skipped; with a wider width the same request gets one."""
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash_sglang.options import SpecOptions
+    from dflash_sglang.worker import DFlashXWorker
+
+    class Req:
+        origin_input_ids = [5, 6, 7, 5, 6]
+        output_ids = [7]
+
+    req = Req()
+
+    def proposals(widths: tuple[int, ...]) -> tuple[list, weakref.WeakKeyDictionary]:
+        worker = object.__new__(DFlashXWorker)
+        worker.options = SpecOptions(widths=widths, suffix_shared=0)
+        worker.planner = SimpleNamespace(widths=widths)
+        worker.block_size = 16
+        worker._shared = None
+        worker._suffix_indexes = weakref.WeakKeyDictionary()
+        batch = SimpleNamespace(reqs=[req])
+        return worker._suffix_proposals(batch, torch.tensor([5])), worker._suffix_indexes
+
+    found, indexes = proposals((1,))
+    assert found == [()] and len(indexes) == 0
+    found, indexes = proposals((1, 4))
+    assert [p.tokens[:2] for p in found[0]] == [(5, 6)] and len(indexes) == 1
