@@ -148,11 +148,18 @@ def step_stats(accept_lens: Sequence[int], verify_width: int) -> StepStats:
     )
 
 
+def _last_value_gauge(name: str, documentation: str):
+    """A gauge whose value is the last one set by any process (a scheduler's state)."""
+    from prometheus_client import Gauge
+
+    return Gauge(name, documentation, multiprocess_mode="mostrecent")
+
+
 class PrometheusMetrics:
     """The metrics above in one process; create after PROMETHEUS_MULTIPROC_DIR is set."""
 
     def __init__(self, max_verify_width: int) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import Counter, Histogram
 
         by_source = ["source"]
         self.drafts = Counter(
@@ -211,29 +218,25 @@ class PrometheusMetrics:
             by_option,
             buckets=TIME_BUCKETS,
         )
-        self.verify_width = Gauge(
+        self.verify_width = _last_value_gauge(
             PREFIX + "verify_width",
             "Tokens verified per request in the last step (anchor included).",
-            multiprocess_mode="mostrecent",
         )
-        self.draft_kv_rows = Gauge(
+        self.draft_kv_rows = _last_value_gauge(
             PREFIX + "draft_kv_rows",
             "Draft-KV rows holding injected target features (running and radix-cached).",
-            multiprocess_mode="mostrecent",
         )
-        self.shared_tokens = Gauge(
+        self.shared_tokens = _last_value_gauge(
             SHARED_TOKENS,
             "Tokens the shared suffix lookup holds (warm-start corpus and finished outputs).",
-            multiprocess_mode="mostrecent",
         )
         self.radix_reused = Counter(
             PREFIX + "radix_reused_draft_kv_tokens",
             "Prompt tokens whose draft KV was reused from the radix cache, not re-injected.",
         )
-        self.held_rows = Gauge(
+        self.held_rows = _last_value_gauge(
             PREFIX + "held_draft_kv_rows",
             "Committed draft-KV rows held until read, not written yet.",
-            multiprocess_mode="mostrecent",
         )
         self.dropped_rows = Counter(
             PREFIX + "dropped_draft_kv_rows",
