@@ -140,7 +140,7 @@ class DFlashXWorker(DFlashWorkerV2):
         # Per-request state dies with the request objects.
         self._suffix_indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._shared: SharedSuffixIndex | None = None
-        if self.options.shared_tokens:
+        if self.options.shared_tokens and self._looks_up:
             self._shared = SharedSuffixIndex(
                 self.options.shared_tokens,
                 self.options.suffix_max_match,
@@ -309,10 +309,9 @@ class DFlashXWorker(DFlashWorkerV2):
 
         The text must end at the pending bonus token (the block's anchor, the one committed
         token without KV yet): with overlap scheduling `output_ids` trails by a step, and
-        such a request gets no proposal. Checked on host lengths, so no device sync. At
-        widths of 1 alone (`--dflash-widths 1`) nothing could verify a proposal: no lookup.
+        such a request gets no proposal. Checked on host lengths, so no device sync.
         """
-        if not self.options.suffix or self.planner.widths[-1] == 1:
+        if not self._looks_up:
             return [()] * len(batch.reqs)
         if self._shared is not None:
             self._share_finished(batch.reqs)
@@ -336,6 +335,12 @@ class DFlashXWorker(DFlashWorkerV2):
                 found.append(self._shared.propose(index.tail(index.max_match)))
             out.append(tuple(p for p in found if p is not None))
         return out
+
+    @property
+    def _looks_up(self) -> bool:
+        """Suffix lookup is on and some width could verify a proposal (not at
+        `--dflash-widths 1`, where building and warming the shared index would be waste)."""
+        return self.options.suffix and self.planner.widths[-1] > 1
 
     def _warm_shared(self, server_args) -> None:
         """The shared index starts from a corpus of past requests (`--dflash-suffix-warm`);
