@@ -41,6 +41,16 @@ def test_greedy_stops_at_first_mismatch_even_if_later_drafts_match():
     assert acc.bonus.tolist() == [2]
 
 
+def test_width_one_step_equals_the_general_commit():
+    """The plain-step shortcut returns what the general rule returns at width 1."""
+    cand, pred = torch.tensor([[5], [6], [7]]), torch.tensor([[1], [9], [8]])
+    fast = acceptance.greedy_accept(cand, pred)
+    general = acceptance.commit(cand, torch.zeros(3, dtype=torch.int32), pred[:, 0])
+    for name in ("accept_lens", "bonus", "commit_lens", "out_tokens"):
+        got, want = getattr(fast, name), getattr(general, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
 def _probs(rows):
     return torch.tensor(rows, dtype=torch.float32)
 

@@ -278,6 +278,36 @@ def test_paged_kernel_serves_few_row_batches(
     assert_matches(out, reference(case, causal=not encoder_only), dtype)
 
 
+@pytest.mark.parametrize("encoder_only", [False, True], ids=["causal", "encoder-only"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_forward_paged_is_sglangs_path_without_its_dispatch(
+    scenario: str, encoder_only: bool
+) -> None:
+    """The compiled forward's per-layer shortcut writes the same KV and returns the same
+    output as the backend's own `forward`, and declines (None) wherever that path would not
+    take the kernel: prefill grids, layers the kernel does not fit, a dtype not the pool's."""
+    if not cpu_attention.available():
+        pytest.skip("the C++ kernel is not built here (tests/test_cpu_paged_attention.py)")
+    attn_type = AttentionType.ENCODER_ONLY if encoder_only else AttentionType.DECODER
+    layer = make_layer(attn_type=attn_type, **KERNEL_LAYER)
+    fast, slow = (make_case(*SCENARIOS[scenario], torch.bfloat16, layer) for _ in range(2))
+    for case in (fast, slow):
+        case.backend.init_forward_metadata(case.batch)
+    out = fast.backend.forward_paged(fast.q, fast.k, fast.v, layer, fast.batch)
+    if not fast.backend.forward_metadata.paged:
+        assert out is None
+        return
+    assert torch.equal(out, slow.backend.forward(slow.q, slow.k, slow.v, layer, slow.batch))
+    fast_pool, slow_pool = fast.backend.token_to_kv_pool, slow.backend.token_to_kv_pool
+    for buffer in ("get_key_buffer", "get_value_buffer"):
+        written = getattr(fast_pool, buffer)(0).nan_to_num()  # the stale slot's NaN aside
+        assert torch.equal(written, getattr(slow_pool, buffer)(0).nan_to_num())
+    assert fast.backend.forward_paged(fast.q.float(), fast.k, fast.v, layer, fast.batch) is None
+    capped = make_layer(logit_cap=0.5, **KERNEL_LAYER)
+    capped.layer_id = 1  # the backend remembers its verdict per layer
+    assert fast.backend.forward_paged(fast.q, fast.k, fast.v, capped, fast.batch) is None
+
+
 def test_kernel_served_forward_builds_no_masks() -> None:
     """Masks and packed rows are built on first use: a batch every layer serves through the
     kernel never pays for them; the torch path builds them when it first needs them."""

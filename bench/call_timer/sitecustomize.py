@@ -9,6 +9,12 @@ process appends `label requests keys rows nanoseconds` lines to
 `$DFLASH_CALL_TIMES/<pid>.txt` every 1,000 calls (label: `attention`, `CompiledBody`,
 `CompiledDraft`; keys: key positions the attention call read, or the batch's total length
 for a forward).
+
+It also times the scheduler's decode steps, which py-spy's samples blur at this grain:
+`run_batch`, each `Scheduler.run_batch` call on a decode batch (the worker's whole step:
+forward, acceptance or sampling, allocation inside it), and `step_period`, from one decode
+`run_batch` to the next over the same number of requests (all of a step, the scheduler's
+own work between them included). Their difference to the forward's is what a step adds.
 """
 
 import atexit
@@ -62,7 +68,30 @@ def _time_forwards(module) -> None:
     module.CompiledForward.run_fast = timed
 
 
+def _time_steps(module) -> None:
+    run_batch = module.Scheduler.run_batch
+    last: list = [None]  # (requests, start ns) of the last decode run_batch
+
+    def timed(self, batch, *args, **kwargs):
+        start = time.perf_counter_ns()
+        out = run_batch(self, batch, *args, **kwargs)
+        ns = time.perf_counter_ns() - start
+        if batch.forward_mode.is_decode():
+            requests = batch.batch_size()
+            keys = int(batch.seq_lens_sum or 0)
+            _record("run_batch", requests, keys, requests, ns)
+            if last[0] is not None and last[0][0] == requests:
+                _record("step_period", requests, keys, requests, start - last[0][1])
+            last[0] = (requests, start)
+        else:
+            last[0] = None  # a prefill in between is not a decode step's time
+        return out
+
+    module.Scheduler.run_batch = timed
+
+
 PATCHES = {
+    "sglang.srt.managers.scheduler": _time_steps,
     "dflash_sglang.kernels.cpu_attention": _time_kernel,
     "dflash_sglang.cpu_platform.compiled": _time_forwards,
 }

@@ -240,17 +240,24 @@ def batch_lengths(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tens
     return forward_batch.extend_seq_lens, seq_lens
 
 
-def check_layer_supported(layer: RadixAttention, forward_batch: ForwardBatch, extra: dict) -> None:
-    """Refuse features our models never use instead of computing them wrong."""
-    unsupported = [name for name, value in extra.items() if value is not None]
+def layer_unsupported(layer: RadixAttention) -> list[str]:
+    """What of `layer` itself this backend does not compute (the same for every call)."""
+    unsupported = []
     if layer.is_cross_attention:
         unsupported.append("cross-attention")
-    if forward_batch.encoder_lens is not None:
-        unsupported.append("encoder-decoder models")
     if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
         unsupported.append("sliding-window attention")
     if layer.logit_cap > 0 and layer.logit_capping_method != "tanh":
         unsupported.append(f"logit capping method {layer.logit_capping_method!r}")
+    return unsupported
+
+
+def check_layer_supported(layer: RadixAttention, forward_batch: ForwardBatch, extra: dict) -> None:
+    """Refuse features our models never use instead of computing them wrong."""
+    unsupported = [name for name, value in extra.items() if value is not None]
+    if forward_batch.encoder_lens is not None:
+        unsupported.append("encoder-decoder models")
+    unsupported += layer_unsupported(layer)
     if unsupported:
         raise NotImplementedError(
             f"{CPU_ATTENTION_BACKEND} does not support: {', '.join(unsupported)}"
@@ -345,6 +352,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
         self.paged = mode == "paged" and cpu_attention.available()
         self._check_pool_supported()
         self.direct_kv_write = self.paged and plain_pool(self.token_to_kv_pool)
+        self._kernel_layers: dict[int, bool] = {}  # layer id -> `_kernel_serves`
 
     def _check_pool_supported(self) -> None:
         pool = self.token_to_kv_pool
@@ -404,6 +412,60 @@ class DFlashCPUAttnBackend(AttentionBackend):
     def support_triton(self) -> bool:
         return False
 
+    def forward_paged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor | None:
+        """One layer of a kernel batch (decode, narrow verify), written and attended as
+        `_forward` does, without SGLang's per-layer dispatch on the way to it
+        (`RadixAttention.forward`, `forward`, `forward_decode`, the layer checks): ~45 µs of
+        Python a layer, as long as the kernel itself at four requests, ~1 ms a target forward.
+        Those steps do nothing here: no graph scope on a CPU, no padded extend rows in these
+        modes, and the layer checks are the same for every call of a layer. None where
+        `_forward` would not take the kernel (the caller then goes through SGLang)."""
+        batch = self.forward_metadata
+        if (
+            batch is None
+            or not batch.paged
+            or forward_batch.encoder_lens is not None
+            or not self._kernel_serves(layer, q.dtype)
+        ):
+            return None
+        k = k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        v = v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
+        self._write_kv(layer, forward_batch, k, v)
+        return self._paged_attention(q, layer, batch)
+
+    def _kernel_serves(self, layer: RadixAttention, dtype: torch.dtype) -> bool:
+        """`layer_unsupported` and `kernel_fits` for the pool's dtype, once a layer."""
+        pool_dtype = self.token_to_kv_pool.dtype
+        serves = self._kernel_layers.get(layer.layer_id)
+        if serves is None:
+            serves = not layer_unsupported(layer) and kernel_fits(layer, pool_dtype, pool_dtype)
+            self._kernel_layers[layer.layer_id] = serves
+        return serves and dtype == pool_dtype
+
+    def _paged_attention(
+        self, q: torch.Tensor, layer: RadixAttention, batch: PaddedBatch
+    ) -> torch.Tensor:
+        heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        out = cpu_attention.paged_attention(
+            q.reshape(-1, heads, head_dim).contiguous(),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            batch.kv_slots,
+            batch.kv_lens,
+            batch.q_lens,
+            batch.q_starts,
+            causal=layer.attn_type != AttentionType.ENCODER_ONLY,
+            scale=layer.scaling,
+        )
+        return out.view(-1, heads * layer.v_head_dim)
+
     def _forward(
         self,
         q: torch.Tensor,
@@ -425,18 +487,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
         if batch is None:
             raise RuntimeError(f"{CPU_ATTENTION_BACKEND}: init_forward_metadata was not called")
         if batch.paged and kernel_fits(layer, q.dtype, self.token_to_kv_pool.dtype):
-            out = cpu_attention.paged_attention(
-                q.reshape(-1, heads, head_dim).contiguous(),
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                batch.kv_slots,
-                batch.kv_lens,
-                batch.q_lens,
-                batch.q_starts,
-                causal=layer.attn_type != AttentionType.ENCODER_ONLY,
-                scale=layer.scaling,
-            )
-            return out.view(-1, heads * v_head_dim)
+            return self._paged_attention(q, layer, batch)
 
         query = self._padded_queries(q.reshape(-1, heads, head_dim), batch)
         key = self._gathered(self.token_to_kv_pool.get_key_buffer(layer.layer_id), batch, q.dtype)

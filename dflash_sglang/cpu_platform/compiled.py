@@ -31,12 +31,14 @@ import torch._inductor.config
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.model_executor.runner_utils.forward_batch import (
     get_forward_batch,
     set_forward_batch,
 )
 
 from dflash_sglang.cpu_platform import COMPILE_ENV, FREEZE_ENV, register_hook_once
+from dflash_sglang.cpu_platform.attention import DFlashCPUAttnBackend
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,17 @@ _WARMING = False
 
 @torch.library.custom_op("dflash_cpu::radix_attention", mutates_args=())
 def radix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
-    """One attention layer, eager, with the current forward batch (writes its KV)."""
+    """One attention layer, eager, with the current forward batch (writes its KV): straight
+    to our backend's kernel where it serves the batch (`forward_paged`), else through
+    SGLang's `RadixAttention.forward`."""
     layer = _LAYERS[index]
     if _WARMING:
         return q.new_zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-    out = RadixAttention.forward(layer, q, k, v, get_forward_batch())
+    forward_batch, backend, out = get_forward_batch(), get_attn_backend(), None
+    if isinstance(backend, DFlashCPUAttnBackend):
+        out = backend.forward_paged(q, k, v, layer, forward_batch)
+    if out is None:
+        out = RadixAttention.forward(layer, q, k, v, forward_batch)
     return out.reshape(q.shape[0], -1)
 
 
