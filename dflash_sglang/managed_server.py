@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,8 +19,30 @@ import requests
 STARTUP_TIMEOUT_S = 300
 
 
+def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port the kernel hands to outgoing connections and to binds of port 0."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port below the ephemeral range. A server binds its port only once
+    started (SGLang: after compiling, tens of seconds later), and a port from that range
+    (what binding port 0 returns) may meanwhile go to any outgoing connection on the
+    machine: CI once saw `[Errno 98] address already in use` and a server that never
+    answered. Ports below it go only to those who bind them by number."""
+    low = ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: an ephemeral one, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -24,7 +24,7 @@ import requests
 
 from dflash_sglang import cluster
 from dflash_sglang.launch_server import LaunchError, host_replicas
-from dflash_sglang.managed_server import free_port
+from dflash_sglang.managed_server import ephemeral_low, free_port
 
 
 def _args(*argv: str):
@@ -44,6 +44,21 @@ def test_bad_arguments_fail_before_starting_anything(argv, message):
     args, rest = _args(*argv)
     with pytest.raises(SystemExit, match=message):
         cluster.check_args(args, rest)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_bindable(tmp_path):
+    """Outgoing connections take ephemeral ports, so a server's port (bound tens of seconds
+    after it is chosen) comes from below that range."""
+    low = ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    ranges = tmp_path / "range"
+    ranges.write_text("40000\t60999\n")
+    assert ephemeral_low(str(ranges)) == 40000
+    assert ephemeral_low(str(tmp_path / "missing")) == 32768
 
 
 def test_replica_port_flag_is_refused():
