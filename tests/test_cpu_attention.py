@@ -263,8 +263,8 @@ KERNEL_LAYER = dict(heads=9, kv_heads=3, head_dim=64)  # the embedded SmolLM2's 
 def test_paged_kernel_serves_few_row_batches(
     scenario: str, encoder_only: bool, dtype: torch.dtype
 ) -> None:
-    """The default setting: batches of at most 8 rows per request (a request alone too)
-    take the C++ kernel, and every batch still matches the reference."""
+    """The default setting: batches of at most a block's rows per request (a request alone
+    too) take the C++ kernel, and every batch still matches the reference."""
     if not cpu_attention.available():
         pytest.skip("the C++ kernel is not built here (tests/test_cpu_paged_attention.py)")
     mode, prefix_lens, new_lens = SCENARIOS[scenario]
@@ -273,8 +273,9 @@ def test_paged_kernel_serves_few_row_batches(
     case = make_case(mode, prefix_lens, new_lens, dtype, layer)
     out = run(case)
     metadata = case.backend.forward_metadata
-    assert metadata.paged is (not metadata.position_aligned and metadata.q_rows <= 8)
-    assert metadata.paged is (scenario in ("extend-prefix", "decode", "verify", "decode-alone"))
+    assert metadata.paged is (not metadata.position_aligned and metadata.q_rows <= 16)
+    kernel_scenarios = ("extend-prefix", "decode", "verify", "verify-wide", "decode-alone")
+    assert metadata.paged is (scenario in kernel_scenarios)
     assert_matches(out, reference(case, causal=not encoder_only), dtype)
 
 

@@ -57,8 +57,9 @@ class PaddedBatch:
     position_aligned: bool
     # Few query rows per request in a batch (decode, narrow verify): `grouped_attention`.
     grouped: bool
-    # Few query rows per request, the C++ kernel built: `cpu_attention.paged_attention`,
-    # which reads `kv_slots` through these int64 [bs] lengths and packed query offsets.
+    # Up to a block's query rows per request, the C++ kernel built:
+    # `cpu_attention.paged_attention`, which reads `kv_slots` through these int64 [bs]
+    # lengths and packed query offsets.
     paged: bool
     kv_lens: torch.Tensor
     q_lens: torch.Tensor
@@ -167,6 +168,12 @@ def packed_token_rows(
 # (`bench/proposers/attention_paths.md`), but in the server it was slower (README, "Dynamo's
 # guards and the grouped path's KV layout").
 GROUPED_MAX_ROWS = 8
+# Query rows up to which the C++ kernel serves a batch (when built): a whole DFlash block. At
+# 16 rows (the drafter's block, and a verify of the whole block) it took 0.56-0.71x the time
+# of SDPA's path over 1-5 requests of 128-1024 keys, five layers and the metadata timed, bf16,
+# 2 threads; at 8 rows and below it replaced the grouped matmuls (README, "Closing the
+# engine gap: attention read straight from the pool").
+PAGED_MAX_ROWS = 16
 
 
 def build_padded_batch(
@@ -184,7 +191,7 @@ def build_padded_batch(
     right for decode and verify), or `kv_max` rows placing each query at its own position
     so the kernel's built-in causal skipping applies (cost ~ kv_max**2 / 2, right for
     prefill). The lengths are host tensors on CPU: the `int(...)` reads cost no sync.
-    `paged`: the kernel is built and allowed; batches with at most `grouped_max_rows` rows
+    `paged`: the kernel is built and allowed; batches with at most `PAGED_MAX_ROWS` rows
     per request, a request alone included, then take it (not a tree verify: the kernel's
     mask is causal only).
     """
@@ -196,6 +203,7 @@ def build_padded_batch(
         (kv_max, kv_lens - q_lens) if position_aligned else (q_max, torch.zeros_like(q_lens))
     )
     few_rows = not position_aligned and q_rows <= grouped_max_rows
+    kernel_rows = not position_aligned and q_rows <= PAGED_MAX_ROWS
     return PaddedBatch(
         batch_size=batch_size,
         q_rows=q_rows,
@@ -205,7 +213,7 @@ def build_padded_batch(
         kv_slots=kv_slot_table(req_to_token, req_pool_indices, kv_lens, kv_max),
         position_aligned=position_aligned,
         grouped=few_rows and batch_size > 1,
-        paged=paged and few_rows and tree_ancestors is None,
+        paged=paged and kernel_rows and tree_ancestors is None,
         kv_lens=kv_lens,
         q_lens=q_lens,
         q_starts=torch.cumsum(q_lens, 0) - q_lens,
@@ -420,8 +428,8 @@ class DFlashCPUAttnBackend(AttentionBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor | None:
-        """One layer of a kernel batch (decode, narrow verify), written and attended as
-        `_forward` does, without SGLang's per-layer dispatch on the way to it
+        """One layer of a kernel batch (decode, a verify, the drafter's block), written and
+        attended as `_forward` does, without SGLang's per-layer dispatch on the way to it
         (`RadixAttention.forward`, `forward`, `forward_decode`, the layer checks): ~45 µs of
         Python a layer, as long as the kernel itself at four requests, ~1 ms a target forward.
         Those steps do nothing here: no graph scope on a CPU, no padded extend rows in these
