@@ -494,7 +494,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
         batch = self.forward_metadata
         if batch is None:
             raise RuntimeError(f"{CPU_ATTENTION_BACKEND}: init_forward_metadata was not called")
-        if batch.paged and kernel_fits(layer, q.dtype, self.token_to_kv_pool.dtype):
+        if batch.paged and self._kernel_serves(layer, q.dtype):
             return self._paged_attention(q, layer, batch)
 
         query = self._padded_queries(q.reshape(-1, heads, head_dim), batch)
