@@ -1,7 +1,7 @@
 """Where two arms' decode steps differ, per function, from one interleaved run.
 
     python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
-        [--slice 8] [--rounds 6] [--time-calls] [--set math] [--out F.json]
+        [--slice 8] [--rounds 6] [--time-calls [--no-spy]] [--set math] [--out F.json]
 
 `profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
 of percent between them, so only ratios inside one arm compare. Here every arm's server is
@@ -15,10 +15,12 @@ times τ otherwise. A server's idle slices show up in its polling frames only, s
 functions inside `Scheduler.run_batch`, not the totals.
 
 `--time-calls` also times every call of our paged attention kernel and of the compiled
-target and draft forwards inside the servers (`call_timer/sitecustomize.py`): per arm and
-label, the calls at full batch, their mean and median microseconds and nanoseconds per
+target and draft forwards, the scheduler's decode steps and the phases of a DFLASH_X step
+inside the servers (`call_timer/sitecustomize.py`): per arm, label and verify width, the
+calls at full batch, their mean and median microseconds and nanoseconds per
 key, which py-spy's samples cannot give (at this grain they move by ±1 ms per function
-per step between arms that take turns).
+per step between arms that take turns). `--no-spy` keeps the timers alone: py-spy's
+sampling slows arms unequally (plain decoding's overlap loop runs two Python threads).
 """
 
 from __future__ import annotations
@@ -66,15 +68,20 @@ def function_ms(lines: list[str], steps: float) -> dict[str, float]:
 
 
 def timed_calls(lines: list[str], batch: int) -> dict[str, dict[str, float]]:
-    """Per label, a summary of the calls over `batch` requests from `call_timer` lines
-    (`label requests keys rows nanoseconds`); other batch sizes (ramp-up, tails, prefills
-    of a few requests) are left out."""
+    """Per label and width, a summary of the calls over `batch` requests from `call_timer`
+    lines (`label requests keys rows nanoseconds`); other batch sizes (ramp-up, tails,
+    prefills of a few requests) are left out. A label stands alone for one row per request
+    (plain decoding, width 1) and as `label wN` for N rows per request (a verify of width N;
+    the drafter's block); prefill forwards, whatever their rows, as one label."""
     by_label: dict[str, list[tuple[int, int]]] = {}
     for line in lines:
         if line.strip():
-            label, requests, keys, _, ns = line.split()
+            label, requests, keys, rows, ns = line.split()
             if int(requests) == batch:
-                by_label.setdefault(label, []).append((int(ns), int(keys)))
+                width = int(rows) // batch
+                wide = width > 1 and not label.endswith(".prefill")
+                key = f"{label} w{width}" if wide else label
+                by_label.setdefault(key, []).append((int(ns), int(keys)))
     summary = {}
     for label, calls in sorted(by_label.items()):
         calls.sort()
@@ -134,6 +141,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
     ap.add_argument("--time-calls", action="store_true", help="time kernel and forward calls")
     ap.add_argument(
+        "--no-spy",
+        action="store_true",
+        help="timers only (with --time-calls): py-spy's sampling slows the arms unequally",
+    )
+    ap.add_argument(
         "--set",
         choices=SET_NAMES,
         help="requests cycle through this held-out prompt set (every arm the same sequence; "
@@ -149,6 +161,8 @@ def main() -> None:
         ap.error(f"--arms: two or more different of {', '.join(names)} (got {args.arms})")
     if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
         ap.error("--concurrency, --slice and --rounds must be positive")
+    if args.no_spy and not args.time_calls:
+        ap.error("--no-spy leaves nothing to report without --time-calls")
 
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafters import default_draft_dir
@@ -181,6 +195,7 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
             for name, server in servers.items()
+            if not args.no_spy
         ]
         time.sleep(3)  # py-spy attached
         tokens, elapsed = Counter(), Counter()
@@ -199,7 +214,8 @@ def main() -> None:
     report = {}
     for name in chosen:
         steps = tokens[name] / args.concurrency
-        lines = (work / f"{name}.txt").read_text().splitlines()
+        stacks = work / f"{name}.txt"
+        lines = [] if args.no_spy else stacks.read_text().splitlines()
         report[name] = {
             "output_tok_s": tokens[name] / elapsed[name],
             "steps": steps,

@@ -46,6 +46,10 @@ def test_timed_calls_summarise_full_batch_calls_per_label():
         "attention 16 800 16 80000",
         "attention 3 90 3 5000",  # a ramp-up batch: left out
         "CompiledBody 16 700 16 30000000",
+        "CompiledBody 16 700 32 36000000",  # a verify of width 2: its own entry
+        "worker.verify 16 700 64 40000000",
+        "CompiledBody.prefill 16 900 1200 90000000",  # prompts' tokens: no width
+        "CompiledBody.prefill 16 900 1300 110000000",
         "",
     ]
     summary = _module().timed_calls(lines, batch=16)
@@ -56,6 +60,9 @@ def test_timed_calls_summarise_full_batch_calls_per_label():
     assert attention["ns_per_key"] == pytest.approx(360000 / 3200)
     assert attention["keys_per_call"] == pytest.approx(3200 / 3)
     assert summary["CompiledBody"]["mean_us"] == pytest.approx(30000.0)
+    assert summary["CompiledBody w2"]["mean_us"] == pytest.approx(36000.0)
+    assert summary["worker.verify w4"]["calls"] == 1
+    assert summary["CompiledBody.prefill"]["mean_us"] == pytest.approx(100000.0)
     assert _module().timed_calls(lines, batch=8) == {}
 
 
@@ -89,6 +96,20 @@ def test_the_call_timer_wraps_the_kernel_when_imported_and_writes_its_calls(tmp_
     assert (label, requests, keys, rows) == ("attention", "2", "9", "2") and int(ns) > 0
 
 
+def test_the_call_timer_times_worker_phases_that_exist():
+    """A renamed worker method would leave its phase untimed without a word."""
+    import importlib.util
+
+    from dflash_sglang.worker import DFlashXWorker
+
+    path = BENCH / "call_timer" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("timer", path)
+    timer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timer)  # DFLASH_CALL_TIMES unset: no import hook installed
+    for name in (*timer.WORKER_PHASES, "decode_step"):
+        assert callable(getattr(DFlashXWorker, name)), name
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -96,6 +117,7 @@ def test_the_call_timer_wraps_the_kernel_when_imported_and_writes_its_calls(tmp_
         (["--arms", "plain,plain"], "--arms: two or more"),
         (["--arms", "plain,nope"], "--arms: two or more"),
         (["--slice", "0"], "must be positive"),
+        (["--no-spy"], "--no-spy leaves nothing to report without --time-calls"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message):
