@@ -1,7 +1,7 @@
 """Where two arms' decode steps differ, per function, from one interleaved run.
 
     python bench/profile_interleaved.py [--arms plain,dflash_x_width1] [--concurrency 16]
-        [--slice 8] [--rounds 6] [--time-calls [--no-spy]] [--set math] [--out F.json]
+        [--slice 8] [--rounds 6] [--time-calls] [--no-spy] [--set math] [--out F.json]
 
 `profile_step.py` runs its arms one after another, and this machine's speed drifts by tens
 of percent between them, so only ratios inside one arm compare. Here every arm's server is
@@ -19,8 +19,9 @@ target and draft forwards, the scheduler's decode steps and the phases of a DFLA
 inside the servers (`call_timer/sitecustomize.py`): per arm, label and verify width, the
 calls at full batch, their mean and median microseconds and nanoseconds per
 key, which py-spy's samples cannot give (at this grain they move by ±1 ms per function
-per step between arms that take turns). `--no-spy` keeps the timers alone: py-spy's
-sampling slows arms unequally (plain decoding's overlap loop runs two Python threads).
+per step between arms that take turns). `--no-spy` leaves py-spy out, whose sampling
+slows arms unequally (plain decoding's overlap loop runs two Python threads): the timers
+alone, or without `--time-calls` the arms' output tok/s under this load and nothing else.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def main() -> None:
     ap.add_argument(
         "--no-spy",
         action="store_true",
-        help="timers only (with --time-calls): py-spy's sampling slows the arms unequally",
+        help="no py-spy (its sampling slows the arms unequally): timers with --time-calls, "
+        "else output tok/s alone",
     )
     ap.add_argument(
         "--set",
@@ -161,8 +163,6 @@ def main() -> None:
         ap.error(f"--arms: two or more different of {', '.join(names)} (got {args.arms})")
     if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
         ap.error("--concurrency, --slice and --rounds must be positive")
-    if args.no_spy and not args.time_calls:
-        ap.error("--no-spy leaves nothing to report without --time-calls")
 
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafters import default_draft_dir

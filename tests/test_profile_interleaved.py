@@ -117,7 +117,6 @@ def test_the_call_timer_times_worker_phases_that_exist():
         (["--arms", "plain,plain"], "--arms: two or more"),
         (["--arms", "plain,nope"], "--arms: two or more"),
         (["--slice", "0"], "must be positive"),
-        (["--no-spy"], "--no-spy leaves nothing to report without --time-calls"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message):
