@@ -197,7 +197,8 @@ def main() -> None:
             for name, server in servers.items()
             if not args.no_spy
         ]
-        time.sleep(3)  # py-spy attached
+        if spies:
+            time.sleep(3)  # py-spy attached
         tokens, elapsed = Counter(), Counter()
         sequences = {name: itertools.cycle(prompts) if prompts else None for name in chosen}
         for _ in range(args.rounds):
@@ -214,8 +215,7 @@ def main() -> None:
     report = {}
     for name in chosen:
         steps = tokens[name] / args.concurrency
-        stacks = work / f"{name}.txt"
-        lines = [] if args.no_spy else stacks.read_text().splitlines()
+        lines = [] if args.no_spy else (work / f"{name}.txt").read_text().splitlines()
         report[name] = {
             "output_tok_s": tokens[name] / elapsed[name],
             "steps": steps,

@@ -98,7 +98,7 @@ def _time_steps(module) -> None:
             keys = int(batch.seq_lens_sum or 0)
             _record("run_batch", requests, keys, requests * _width[0], ns)
             if last[0] is not None and last[0][0] == requests:
-                before, width = last[0][1], last[0][2]
+                _, before, width = last[0]
                 _record("step_period", requests, keys, requests * width, start - before)
             last[0] = (requests, start, _width[0])
         else:
