@@ -21,7 +21,7 @@ import torch
 from packed_gemm import ms_per_call
 
 from dflash_sglang.cpu_platform.attention import attention_mask, grouped_attention
-from dflash_sglang.kernels import cpu_attention
+from dflash_sglang.kernels import cpu_attention, cpu_build
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 POOL_SLOTS = 200_000
@@ -105,7 +105,7 @@ def main() -> None:
         return
     if args.baseline_source is not None and not args.baseline_source.is_file():
         raise SystemExit(f"--baseline-source {args.baseline_source}: no such file")
-    baseline = args.baseline_source and cpu_attention.build(
+    baseline = args.baseline_source and cpu_build.build(
         args.baseline_source, "dflash_cpu_paged_attention_baseline"
     )
     k_pool = torch.randn(POOL_SLOTS, KV_HEADS, DIM, dtype=torch.bfloat16)

@@ -143,8 +143,11 @@ def arm_args(target: Path, draft: Path) -> dict[str, list[str]]:
     """Launcher arguments per arm: the embedded target, the bundled drafter."""
     common = ["--model-path", str(target), "--max-total-tokens", "65536"]
     dflash_x = [*common, "--speculative-draft-model-path", str(draft)]
+    plain = [*common, "--speculative-algorithm", "NONE"]
     return {
-        "plain": [*common, "--speculative-algorithm", "NONE"],
+        "plain": plain,
+        # Plain decoding in DFLASH_X's loop shape on CPU (one Python thread, no overlap).
+        "plain_no_overlap": [*plain, "--disable-overlap-schedule"],
         "dflash_x": dflash_x,
         "dflash_x_fixed": [*dflash_x, "--dflash-adaptive", "off", "--dflash-suffix", "off"],
         "dflash_x_width1": [*dflash_x, "--dflash-widths", "1"],
@@ -157,7 +160,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out")
-    ap.add_argument("--arms", help="comma list of plain,dflash_x,dflash_x_fixed,dflash_x_width1")
+    ap.add_argument("--arms", help="comma list of " + ",".join(arm_args(Path(), Path())))
     args = ap.parse_args()
 
     from dflash_sglang.default_model import ensure_default_target

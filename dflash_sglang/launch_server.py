@@ -87,6 +87,14 @@ def our_parser() -> argparse.ArgumentParser:
         "built on first use, ~30 s; grouped where it cannot be built); grouped: grouped "
         "matmuls over gathered K/V; sdpa: SDPA for every batch (default: paged)",
     )
+    group.add_argument(
+        "--dflash-cpu-arena-cache",
+        choices=("on", "off"),
+        default="on",
+        help="CPU: keep a few freed blocks of CPython's frame stack and object arenas for "
+        "reuse instead of unmapping them (a hot call at a chunk boundary otherwise maps and "
+        "page-faults 16 KiB each time; C, built on first use, ~2 s; default: on)",
+    )
     spec_options.add_cli_args(group)
     return parser
 
@@ -320,11 +328,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ[cpu_platform.COMPILE_ENV] = ours.dflash_cpu_compile
         os.environ[cpu_platform.FREEZE_ENV] = ours.dflash_cpu_freeze
         os.environ[cpu_platform.ATTENTION_ENV] = ours.dflash_cpu_attention
+        os.environ[cpu_platform.ARENA_CACHE_ENV] = ours.dflash_cpu_arena_cache
         cpu_platform.install_sgl_kernel_shim()
         if ours.dflash_cpu_attention == "paged" and not ours.help:
             from dflash_sglang.kernels import cpu_attention
 
             cpu_attention.available()  # build once here, not in every scheduler at once
+        if ours.dflash_cpu_arena_cache == "on" and not ours.help:
+            from dflash_sglang.kernels import arena_cache
+
+            arena_cache.install()  # built here once; this process gains from it too
     if ours.help:
         print_help()
         return

@@ -1,25 +1,22 @@
 """Paged attention for few query rows on CPU (`cpu/paged_attention.cpp`), built on first use.
 
-torch's C++ extension loader compiles the source once per machine (~30 s, cached under
-`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`) and loads the cached build
-afterwards; a changed source or flag rebuilds. `-march=native` is safe because the cache is
-per machine. `available()` is False, with the reason logged once, when no compiler can
-build it: callers then keep their torch path.
+The first build takes ~30 s (`cpu_build`); `available()` is False, with the reason logged
+once, when no compiler can build it: callers then keep their torch path.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from dflash_sglang.kernels.cpu_build import SOURCES, build
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+SOURCE = SOURCES / "paged_attention.cpp"
 
 
 @functools.cache
@@ -31,16 +28,6 @@ def extension() -> ModuleType | None:
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, headers or ninja
         logger.warning("CPU paged attention not built (%s); using the torch path", e)
         return None
-
-
-def build(source: Path, name: str) -> ModuleType:
-    """Compile (or load the cached build of) one revision of the kernel source; a bench
-    builds an older revision under another name to time both in one process."""
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load(
-        name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"]
-    )
 
 
 def available() -> bool:

@@ -129,6 +129,7 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
         (lambda m, t: ["--dflash-cpu-compile", "yes"], "--dflash-cpu-compile"),
         (lambda m, t: ["--dflash-cpu-freeze", "maybe"], "--dflash-cpu-freeze"),
         (lambda m, t: ["--dflash-cpu-attention", "fast"], "--dflash-cpu-attention"),
+        (lambda m, t: ["--dflash-cpu-arena-cache", "yes"], "--dflash-cpu-arena-cache"),
         (lambda m, t: ["--dflash-suffix-max-match", "0"], "--dflash-suffix-max-match"),
         (
             lambda m, t: ["--dflash-suffix-warm", str(t / "absent.jsonl")],

@@ -10,6 +10,7 @@ Active only on CPU. Pieces:
 - `upstream_dflash`: SGLang's own `--speculative-algorithm DFLASH` on CPU, for comparison.
 - `compiled`: the target's decode/verify/prefill forwards and the drafter's block forward
   through torch.compile.
+And, per process, a cache in front of CPython's arena allocator (`kernels.arena_cache`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ COMPILE_ENV = "DFLASH_SGLANG_CPU_COMPILE"
 FREEZE_ENV = "DFLASH_SGLANG_CPU_FREEZE"
 # `--dflash-cpu-attention` (grouped | sdpa), likewise.
 ATTENTION_ENV = "DFLASH_SGLANG_CPU_ATTENTION"
+# `--dflash-cpu-arena-cache` (on | off), likewise.
+ARENA_CACHE_ENV = "DFLASH_SGLANG_CPU_ARENA_CACHE"
 
 
 def real_sgl_kernel_installed() -> bool:
@@ -79,5 +82,9 @@ def activate() -> None:
     from dflash_sglang.cpu_platform import compiled, upstream_dflash
 
     torch.Tensor.record_stream = _record_stream
+    if os.environ.get(ARENA_CACHE_ENV, "off") == "on":
+        from dflash_sglang.kernels import arena_cache
+
+        arena_cache.install()
     upstream_dflash.register_hooks()
     compiled.register_hooks()
