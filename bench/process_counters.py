@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 from bench_proposers import SET_NAMES, prompt_sets
-from profile_interleaved import PROMPT, drive
+from profile_interleaved import PROMPT, add_turn_args, check_turn_args, drive
 from profile_step import arm_args, scheduler_pid
 
 from dflash_sglang.managed_server import Server
@@ -55,16 +55,11 @@ def parse_arm(spec: str, arms: dict[str, list[str]]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--arms", default="plain_no_overlap,dflash_x_width1")
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--slice", type=float, default=8.0, help="seconds of load per turn")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
+    add_turn_args(ap, "plain_no_overlap,dflash_x_width1", concurrency=1, rounds=4)
     ap.add_argument("--set", choices=SET_NAMES, default="humaneval")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
-        ap.error("--concurrency, --slice and --rounds must be positive")
+    check_turn_args(ap, args)
 
     from transformers import AutoTokenizer
 

@@ -132,13 +132,24 @@ def drive(
     return sum(tokens), time.perf_counter() - start
 
 
+def add_turn_args(ap: argparse.ArgumentParser, arms: str, concurrency: int, rounds: int) -> None:
+    """The options of arms taking turns under closed-loop load (this script and
+    `process_counters.py`)."""
+    ap.add_argument("--arms", default=arms)
+    ap.add_argument("--concurrency", type=int, default=concurrency)
+    ap.add_argument("--slice", type=float, default=8.0, help="seconds of load per turn")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def check_turn_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
+        ap.error("--concurrency, --slice and --rounds must be positive")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--arms", default="plain,dflash_x_width1")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--slice", type=float, default=8.0, help="seconds of load per turn")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=2)
+    add_turn_args(ap, "plain,dflash_x_width1", concurrency=16, rounds=6)
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
     ap.add_argument("--time-calls", action="store_true", help="time kernel and forward calls")
     ap.add_argument(
@@ -161,8 +172,7 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(names))
     if unknown or len(set(chosen)) != len(chosen) or len(chosen) < 2:
         ap.error(f"--arms: two or more different of {', '.join(names)} (got {args.arms})")
-    if args.concurrency < 1 or args.slice <= 0 or args.rounds < 1:
-        ap.error("--concurrency, --slice and --rounds must be positive")
+    check_turn_args(ap, args)
 
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafters import default_draft_dir
