@@ -10,12 +10,9 @@ attention op did that 30 times a target forward (README, "Python's frame stack")
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
-from dflash_sglang.kernels.cpu_build import SOURCES, build
-
-logger = logging.getLogger(__name__)
+from dflash_sglang.kernels.cpu_build import SOURCES, try_build
 
 SOURCE = SOURCES / "arena_cache.cpp"
 # Freed blocks kept for reuse: a few frame-stack chunks and arenas (≤ 8 MiB held).
@@ -25,11 +22,7 @@ DEFAULT_BLOCKS = 8
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled module, or None (logged) when it cannot be built here."""
-    try:
-        return build(SOURCE, "dflash_arena_cache")
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler, headers or ninja
-        logger.warning("arena cache not built (%s); CPython maps its frame stack as usual", e)
-        return None
+    return try_build(SOURCE, "dflash_arena_cache", "CPython maps its frame stack as usual")
 
 
 def install(blocks: int = DEFAULT_BLOCKS) -> bool:

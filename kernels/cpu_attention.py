@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from dflash_sglang.kernels.cpu_build import SOURCES, build
+from dflash_sglang.kernels.cpu_build import SOURCES, try_build
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +23,7 @@ SOURCE = SOURCES / "paged_attention.cpp"
 def extension() -> ModuleType | None:
     """The compiled module, or None (logged) when it cannot be built here."""
     logger.info("Loading the CPU paged attention kernel (the first build takes ~30 s)")
-    try:
-        return build(SOURCE, "dflash_cpu_paged_attention")
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler, headers or ninja
-        logger.warning("CPU paged attention not built (%s); using the torch path", e)
-        return None
+    return try_build(SOURCE, "dflash_cpu_paged_attention", "using the torch path")
 
 
 def available() -> bool:

@@ -8,8 +8,11 @@ per machine.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import ModuleType
+
+logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("cpu")
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -24,3 +27,13 @@ def build(source: Path, name: str) -> ModuleType:
     return cpp_extension.load(
         name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"]
     )
+
+
+def try_build(source: Path, name: str, without: str) -> ModuleType | None:
+    """`build`, or None with the reason logged when no compiler, headers or ninja can build
+    it here; `without` says what the caller does instead."""
+    try:
+        return build(source, name)
+    except (RuntimeError, OSError, ImportError) as e:
+        logger.warning("%s not built (%s); %s", name, e, without)
+        return None
