@@ -10,8 +10,10 @@
 // turns that into two pointer moves. obmalloc's 1-MiB arenas go through the same hook and
 // gain the same way. Held memory is bounded by `capacity` blocks of at most `kMaxBlock`.
 //
-// Every arena call happens under the GIL (free-threaded builds are refused), so the cache
-// needs no lock.
+// The cache is touched only by a thread holding the GIL (free-threaded builds are refused),
+// so it needs no lock. CPython makes nearly every arena call under the GIL, but not all:
+// `PyThreadState_Delete` may free a thread's stack chunks without it. A call from a thread
+// that does not hold the GIL goes straight to the allocator we replaced.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,6 +38,9 @@ int capacity = 0;
 unsigned long long hits = 0, misses = 0;
 
 void* cached_alloc(void*, size_t size) {
+  if (!PyGILState_Check()) {
+    return inner.alloc(inner.ctx, size);
+  }
   for (int i = cached - 1; i >= 0; --i) {
     if (cache[i].size == size) {
       void* ptr = cache[i].ptr;
@@ -52,7 +57,7 @@ void cached_free(void*, void* ptr, size_t size) {
   if (ptr == nullptr) {
     return;
   }
-  if (cached < capacity && size <= kMaxBlock) {
+  if (cached < capacity && size <= kMaxBlock && PyGILState_Check()) {
     cache[cached++] = Block{ptr, size};
     return;
   }
