@@ -254,6 +254,45 @@ def test_sdpa_setting_never_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     assert grouped.backend.forward_metadata.grouped is True
 
 
+@pytest.mark.parametrize(
+    "kv_lens",
+    [[402, 42, 243, 50, 138, 61, 90, 44], [100] * 5, [30, 5, 64, 1], [1000, 900, 10, 700, 3]],
+)
+def test_length_groups_bound_the_padding(kv_lens: list[int]) -> None:
+    """Every request in exactly one group, longest first; each group's grid within the slack
+    of its own squares (short requests counted at the floor); equal or short lengths stay
+    one grid."""
+    groups = attention.length_groups(kv_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(kv_lens)))
+    floor = attention.RAGGED_MIN_KEYS
+    for group in groups:
+        lens = [max(kv_lens[i], floor) for i in group]
+        assert lens == sorted(lens, reverse=True)
+        assert len(lens) * lens[0] ** 2 <= attention.RAGGED_SLACK * sum(n * n for n in lens)
+    if max(kv_lens) <= floor or len(set(kv_lens)) == 1:
+        assert len(groups) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scenario", ["extend", "extend-prefix-aligned"])
+def test_ragged_prefill_attends_in_groups(
+    scenario: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill of unequal lengths (the floor lowered so this test's short requests split)
+    is attended group by group, with the reference's result and the one grid's."""
+    monkeypatch.setattr(attention, "RAGGED_MIN_KEYS", 1)
+    case = make_case(*SCENARIOS[scenario], dtype=dtype)
+    out = run(case)
+    metadata = case.backend.forward_metadata
+    assert metadata.position_aligned and len(metadata.parts) > 1
+    assert all(not part.parts for _, part in metadata.parts)
+    assert_matches(out, reference(case, causal=True), dtype)
+    monkeypatch.setattr(attention, "RAGGED_MIN_KEYS", 1000)  # every request short: one grid
+    whole = make_case(*SCENARIOS[scenario], dtype=dtype)
+    torch.testing.assert_close(out, run(whole))
+    assert not whole.backend.forward_metadata.parts
+
+
 KERNEL_LAYER = dict(heads=9, kv_heads=3, head_dim=64)  # the embedded SmolLM2's heads
 
 
