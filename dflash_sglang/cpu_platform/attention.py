@@ -542,7 +542,7 @@ class DFlashCPUAttnBackend(AttentionBackend):
         extra: dict,
     ) -> torch.Tensor:
         check_layer_supported(layer, forward_batch, extra)
-        heads, head_dim, v_head_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        heads, v_head_dim = layer.tp_q_head_num, layer.v_head_dim
         if q.shape[0] == 0:
             return q.new_empty((0, heads * v_head_dim))
         # As in SGLang's backends: k is None when another layer already wrote this KV.
@@ -557,7 +557,8 @@ class DFlashCPUAttnBackend(AttentionBackend):
             return self._padded_attention(q, layer, batch)
         out = q.new_empty(q.shape[0], heads * v_head_dim)
         for tokens, part in batch.parts:
-            out.index_copy_(0, tokens, self._padded_attention(q.index_select(0, tokens), layer, part))
+            part_out = self._padded_attention(q.index_select(0, tokens), layer, part)
+            out.index_copy_(0, tokens, part_out)
         return out
 
     def _padded_attention(
