@@ -15,7 +15,9 @@ fixed output length, the same real prompts in the same order):
                   its restricted vocabulary, which vLLM's loader rejects)
   zlab_dflash     z-lab's reference loop (bench/peers_zlab.py), batch 1: concurrency 1 only
 Each level's requests are cut into `--rounds` slices; the arms take turns on every slice,
-in an order rotated per slice, so machine noise hits all alike. Servers are streamed to by
+in an order rotated per slice, so machine noise hits all alike; every other arm's server
+is stopped (SIGSTOP) during a slice, so each is measured as if alone on the machine (an
+idle vLLM worker's polling slowed our servers up to 2.3x). Servers are streamed to by
 the loadtest's locust users (output tok/s, TTFT and TPOT p50). τ as each arm reports it:
 DFLASH_X's own counters, SGLang's verify-call counter, vLLM's spec-decode counters, z-lab's
 per-step acceptance lengths; all through `metrics.tau`.
@@ -47,7 +49,7 @@ from dflash_sglang.loadtest.locust_runner import LevelPlan, run_level
 from dflash_sglang.loadtest.plots import write_plots
 from dflash_sglang.loadtest.report import LevelRow, set_speedups, write_csv, write_json
 from dflash_sglang.loadtest.server_probe import served_model
-from dflash_sglang.managed_server import ManagedProcess, Server, free_port
+from dflash_sglang.managed_server import ManagedProcess, Server, free_port, paused
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "build" / "peers"
@@ -210,7 +212,9 @@ def speed_run(
         for i in range(args.rounds):
             part = level[i :: args.rounds]
             for arm in here[i % len(here) :] + here[: i % len(here)]:
-                run_slice(arm, models, part, c, args, work)
+                others = (a.process for a in arms if a is not arm and a.process is not None)
+                with paused(others):
+                    run_slice(arm, models, part, c, args, work)
         for arm in here:
             rows.append(level_row(arm, c))
             print(json.dumps(rows[-1].flat()), file=sys.stderr, flush=True)

@@ -1,0 +1,40 @@
+"""`ManagedProcess.pause` / `paused`: a benchmark's idle servers stopped, whole tree."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from dflash_sglang.managed_server import ManagedProcess, free_port, paused
+
+# A parent that starts a child (as a launcher starts its scheduler) and both sleep.
+TREE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"  # noqa: E501
+
+
+def tree_states(process: ManagedProcess) -> set[str]:
+    root = psutil.Process(process.proc.pid)
+    return {p.status() for p in [root, *root.children(recursive=True)]}
+
+
+def test_paused_stops_each_whole_tree_and_resumes_it(tmp_path: Path) -> None:
+    procs = [
+        ManagedProcess([sys.executable, "-c", TREE], tmp_path / f"{i}.log", free_port(), wait=False)
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while any(len(psutil.Process(p.proc.pid).children()) < 1 for p in procs):
+            assert time.monotonic() < deadline, "children did not start"
+            time.sleep(0.05)
+        with paused(procs[:1]):
+            assert tree_states(procs[0]) == {psutil.STATUS_STOPPED}
+            assert psutil.STATUS_STOPPED not in tree_states(procs[1])
+        assert psutil.STATUS_STOPPED not in tree_states(procs[0])
+        assert all(p.alive() for p in procs)
+    finally:
+        for p in procs:
+            p.stop()
+    assert not any(p.alive() for p in procs)
