@@ -50,7 +50,7 @@ from pathlib import Path
 
 from dflash_sglang import suffix_corpus
 from dflash_sglang.loadtest import server_metrics
-from dflash_sglang.managed_server import Server
+from dflash_sglang.managed_server import Server, paused
 from dflash_sglang.metrics import (
     ACCEPTED,
     DRAFTS,
@@ -187,14 +187,16 @@ def tokens_by(timelines: list[list[tuple[float, int]]], moment: float) -> int:
 
 def interleaved(servers: dict[str, Server], prompts: list, c: int, sampling: dict, rounds: int):
     """Each arm's totals over `rounds` slices of `prompts`; the arms take turns per slice, in
-    an order rotated every slice, so slow and fast moments of the machine hit all alike."""
+    an order rotated every slice, so slow and fast moments of the machine hit all alike, and
+    the others are paused meanwhile (`managed_server.paused`)."""
     fields = ("tokens", "seconds", "steady_tokens", "steady_seconds")
     totals = {arm: dict.fromkeys(fields, 0) | {"deltas": {}} for arm in servers}
     arms = list(servers)
     for i in range(rounds):
         part = prompts[i::rounds]
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
-            got = run(servers[arm], part, c, sampling)
+            with paused(s for other, s in servers.items() if other != arm):
+                got = run(servers[arm], part, c, sampling)
             total = totals[arm]
             for field in fields:
                 total[field] += got[field]
