@@ -57,8 +57,8 @@ def prefill(lens: list[int]) -> tuple[attention.DFlashCPUAttnBackend, ForwardBat
     slots = (torch.randperm(total) + 1).split(lens)
     for row, s in enumerate(slots):
         reqs.req_to_token[row, : len(s)] = s.int()
-    pool.get_key_buffer(0)[1 : total + 1] = torch.randn(total, KV_HEADS, DIM, dtype=torch.bfloat16)
-    pool.get_value_buffer(0)[1 : total + 1] = torch.randn(total, KV_HEADS, DIM, dtype=torch.bfloat16)
+    for buffer in (pool.get_key_buffer(0), pool.get_value_buffer(0)):
+        buffer[1 : total + 1] = torch.randn(total, KV_HEADS, DIM, dtype=torch.bfloat16)
     lens_t = torch.tensor(lens)
     batch = ForwardBatch(
         forward_mode=ForwardMode.EXTEND, batch_size=len(lens),
