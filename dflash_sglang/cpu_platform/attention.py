@@ -240,7 +240,8 @@ def build_padded_batch(
         groups = length_groups(kv_lens.tolist())
         if len(groups) > 1:
             parts = tuple(
-                _part(group, q_lens, kv_lens, req_to_token, req_pool_indices) for group in groups
+                _part(group, q_lens, kv_lens, req_to_token, req_pool_indices, grouped_max_rows)
+                for group in groups
             )
     return PaddedBatch(
         batch_size=batch_size,
@@ -267,14 +268,20 @@ def _part(
     kv_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    grouped_max_rows: int,
 ) -> tuple[torch.Tensor, PaddedBatch]:
     """One group of a ragged prefill: its requests' packed token indices, in group order,
-    and their own padded batch."""
+    and their own padded batch (the same paths allowed, never the kernel's: prefill)."""
     index = torch.tensor(group, device=q_lens.device)
     starts = torch.cumsum(q_lens, 0) - q_lens
     tokens = torch.cat([torch.arange(int(starts[i]), int(starts[i] + q_lens[i])) for i in group])
     batch = build_padded_batch(
-        q_lens[index], kv_lens[index], req_to_token, req_pool_indices[index], ragged=False
+        q_lens[index],
+        kv_lens[index],
+        req_to_token,
+        req_pool_indices[index],
+        grouped_max_rows,
+        ragged=False,
     )
     return tokens.to(q_lens.device), batch
 
