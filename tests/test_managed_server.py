@@ -19,6 +19,21 @@ def tree_states(process: ManagedProcess) -> set[str]:
     return {p.status() for p in [root, *root.children(recursive=True)]}
 
 
+def settled(process: ManagedProcess, stopped: bool, timeout_s: float = 10.0) -> set[str]:
+    """The tree's states once every process is stopped (or none is): signals land
+    asynchronously, so a state read right after `kill` may still be the old one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = tree_states(process)
+        if (states == {psutil.STATUS_STOPPED}) == stopped and (
+            stopped or psutil.STATUS_STOPPED not in states
+        ):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(0.02)
+
+
 def test_paused_stops_each_whole_tree_and_resumes_it(tmp_path: Path) -> None:
     procs = [
         ManagedProcess([sys.executable, "-c", TREE], tmp_path / f"{i}.log", free_port(), wait=False)
@@ -30,9 +45,9 @@ def test_paused_stops_each_whole_tree_and_resumes_it(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "children did not start"
             time.sleep(0.05)
         with paused(procs[:1]):
-            assert tree_states(procs[0]) == {psutil.STATUS_STOPPED}
+            assert settled(procs[0], stopped=True) == {psutil.STATUS_STOPPED}
             assert psutil.STATUS_STOPPED not in tree_states(procs[1])
-        assert psutil.STATUS_STOPPED not in tree_states(procs[0])
+        assert psutil.STATUS_STOPPED not in settled(procs[0], stopped=False)
         assert all(p.alive() for p in procs)
     finally:
         for p in procs:
