@@ -235,12 +235,21 @@ def build_padded_batch(
     )
     few_rows = not position_aligned and q_rows <= grouped_max_rows
     kernel_rows = not position_aligned and q_rows <= PAGED_MAX_ROWS
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
     parts = ()
     if position_aligned and ragged and batch_size > 1:
         groups = length_groups(kv_lens.tolist())
         if len(groups) > 1:
             parts = tuple(
-                _part(group, q_lens, kv_lens, req_to_token, req_pool_indices, grouped_max_rows)
+                _part(
+                    group,
+                    q_lens,
+                    q_starts,
+                    kv_lens,
+                    req_to_token,
+                    req_pool_indices,
+                    grouped_max_rows,
+                )
                 for group in groups
             )
     return PaddedBatch(
@@ -255,7 +264,7 @@ def build_padded_batch(
         paged=paged and kernel_rows and tree_ancestors is None,
         kv_lens=kv_lens,
         q_lens=q_lens,
-        q_starts=torch.cumsum(q_lens, 0) - q_lens,
+        q_starts=q_starts,
         first_rows=first_rows,
         tree_ancestors=tree_ancestors,
         parts=parts,
@@ -265,6 +274,7 @@ def build_padded_batch(
 def _part(
     group: list[int],
     q_lens: torch.Tensor,
+    q_starts: torch.Tensor,
     kv_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -273,8 +283,9 @@ def _part(
     """One group of a ragged prefill: its requests' packed token indices, in group order,
     and their own padded batch (the same paths allowed, never the kernel's: prefill)."""
     index = torch.tensor(group, device=q_lens.device)
-    starts = torch.cumsum(q_lens, 0) - q_lens
-    tokens = torch.cat([torch.arange(int(starts[i]), int(starts[i] + q_lens[i])) for i in group])
+    tokens = torch.cat(
+        [torch.arange(int(q_starts[i]), int(q_starts[i] + q_lens[i])) for i in group]
+    )
     batch = build_padded_batch(
         q_lens[index],
         kv_lens[index],
