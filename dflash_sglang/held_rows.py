@@ -14,8 +14,13 @@ the output, which the target verifies token by token.
 
 A slot that is freed and given to another request must never receive its old row after
 its new one: every new row of a slot (a prefill's write, `discard`; a newer held row,
-`add`) drops the held row at that slot first. Rows are kept in a ring of `capacity` rows
-with a slot -> row map, so each of these is a few tensor ops whatever is held.
+`add`) drops the held row at that slot first.
+
+Only the features live in a tensor (a ring of `capacity` rows); the bookkeeping — each
+row's slot, position and owner, the slot -> row map — is plain Python. `add` runs on every
+decode step, the drafter idle or not, for a handful of rows: kept in tensors, its ~25 tiny
+ops cost ~0.2 ms a step (1-2% of a width-1 step); the reads (`take_*`, `discard`) run on
+drafting steps and prefills, where a Python pass over the rows is small beside a forward.
 """
 
 from __future__ import annotations
@@ -37,19 +42,20 @@ class HeldRows:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._hidden: torch.Tensor | None = None  # [capacity, D], allocated on the first add
-        self._positions = torch.zeros(capacity, dtype=torch.int64)
-        self._slots = torch.zeros(capacity, dtype=torch.int64)
-        self._owner = torch.full((capacity,), -1, dtype=torch.int64)  # serial; -1: left
-        self._valid = torch.zeros(capacity, dtype=torch.bool)
-        self._row_of_slot = torch.full((0,), -1, dtype=torch.int64)  # grows with the slots
-        self._head = 0  # rows [0, head) are in use; valid or not
-        # Requests that added rows, by id, held so an id is not reused while we look.
-        self._running: dict[int, tuple[object, int]] = {}
-        self._serials = 0
+        self._positions: list[int] = []  # per row in use, valid or not: its position and slot
+        self._slots: list[int] = []
+        self._row_of_slot: dict[int, int] = {}  # valid rows only
+        # Requests in the batch that added rows, by id (held so an id is not reused while
+        # we look), with the rows each added since the drafter last read them.
+        self._running: dict[int, tuple[object, list[int]]] = {}
         self.dropped = 0  # rows dropped unread by `flush`, ever (a metric)
 
     def __len__(self) -> int:
-        return int(self._valid[: self._head].sum())
+        return len(self._row_of_slot)
+
+    @property
+    def _head(self) -> int:  # rows [0, head) are in use; valid or not
+        return len(self._slots)
 
     def room(self) -> int:
         return self.capacity - self._head
@@ -58,12 +64,8 @@ class HeldRows:
         """`reqs` is the decode batch: rows of requests not in it (finished or retracted)
         are no longer the drafter's, only a later prefix match's."""
         present = {id(req) for req in reqs}
-        gone = [key for key in self._running if key not in present]
-        if not gone:
-            return
-        serials = torch.tensor([self._running.pop(key)[1] for key in gone])
-        owner = self._owner[: self._head]
-        owner[torch.isin(owner, serials)] = -1
+        for key in [key for key in self._running if key not in present]:
+            del self._running[key]
 
     def add(
         self,
@@ -78,83 +80,84 @@ class HeldRows:
         (`room`, `flush`)."""
         bs = commit_lens.numel()
         width = slots.numel() // max(bs, 1)
-        owners = torch.tensor([self._serial_of(req) for req in reqs], dtype=torch.int64)
+        owners = [self._rows_of(req) for req in reqs]
         if width > 1:  # a plain-decoding step commits its one row per request
             rows = committed_rows(commit_lens, width)
             target_hidden, positions, slots = target_hidden[rows], positions[rows], slots[rows]
-            owners = owners[rows // width]
-        n = slots.numel()
+            owners = [owners[r // width] for r in rows.tolist()]
+        n = len(owners)
         if n > self.room():
             raise RuntimeError(f"{n} rows do not fit in {self.room()} (flush first)")
         if self._hidden is None:
             self._hidden = target_hidden.new_empty(self.capacity, target_hidden.shape[1])
-        slots = slots.to(torch.int64)
-        self.discard(slots)
-        self._grow_map(slots)
-        at = slice(self._head, self._head + n)
-        self._hidden[at] = target_hidden[:n]
-        self._positions[at] = positions
-        self._slots[at] = slots
-        self._owner[at] = owners
-        self._valid[at] = True
-        self._row_of_slot[slots] = torch.arange(self._head, self._head + n)
-        self._head += n
+        head = self._head
+        self._hidden[head : head + n] = target_hidden[:n]
+        slot_list = slots.tolist()
+        self.discard(slot_list)
+        self._positions += positions.tolist()
+        self._slots += slot_list
+        for row, (slot, added) in enumerate(zip(slot_list, owners, strict=True), start=head):
+            added.append(row)
+            self._row_of_slot[slot] = row
 
-    def discard(self, slots: torch.Tensor) -> None:
+    def discard(self, slots: torch.Tensor | Sequence[int]) -> None:
         """`slots` get new rows elsewhere (a prefill's): their held rows are stale."""
-        rows = self._rows_at(slots)
-        self._drop(rows[rows >= 0])
+        if self._row_of_slot:
+            for slot in _ints(slots):
+                self._row_of_slot.pop(slot, None)
 
     def take_slots(self, slots: torch.Tensor) -> Rows | None:
         """The held rows at `slots` (a prefill's radix-cached prefix), released."""
-        rows = self._rows_at(slots)
-        return self._take(rows[rows >= 0])
+        found = (self._row_of_slot.get(slot) for slot in dict.fromkeys(_ints(slots)))
+        return self._take([row for row in found if row is not None])
 
     def take_running(self) -> Rows | None:
         """Every held row of a request still in the batch, in the order added, released."""
-        live = self._valid[: self._head] & (self._owner[: self._head] >= 0)
-        return self._take(live.nonzero().view(-1))
+        rows = sorted(row for _, added in self._running.values() for row in added)
+        for _, added in self._running.values():
+            added.clear()  # every valid one is taken now
+        return self._take([row for row in rows if self._is_valid(row)])
 
     def flush(self) -> Rows | None:
         """The running rows, released; every other row dropped and the ring emptied."""
         rows = self.take_running()
-        unread = self._valid[: self._head].nonzero().view(-1)
-        self.dropped += unread.numel()
-        self._drop(unread)
-        self._head = 0
+        self.dropped += len(self._row_of_slot)
+        self._row_of_slot.clear()
+        self._reset()
         return rows
 
-    def _serial_of(self, req) -> int:
+    def _rows_of(self, req) -> list[int]:
+        """The rows a request added (its list, to append to), registered on its first."""
         entry = self._running.get(id(req))
         if entry is None:
-            entry = self._running[id(req)] = (req, self._serials)
-            self._serials += 1
+            entry = self._running[id(req)] = (req, [])
         return entry[1]
 
-    def _grow_map(self, slots: torch.Tensor) -> None:
-        need = int(slots.max()) + 1 if slots.numel() else 0
-        size = self._row_of_slot.numel()
-        if need > size:
-            grown = torch.full((max(need, 2 * size),), -1, dtype=torch.int64)
-            grown[:size] = self._row_of_slot
-            self._row_of_slot = grown
+    def _is_valid(self, row: int) -> bool:
+        return self._row_of_slot.get(self._slots[row]) == row
 
-    def _rows_at(self, slots: torch.Tensor) -> torch.Tensor:
-        slots = slots.to(torch.int64).view(-1)
-        known = slots < self._row_of_slot.numel()
-        rows = torch.full_like(slots, -1)
-        rows[known] = self._row_of_slot[slots[known]]
-        return rows
+    def _reset(self) -> None:
+        """Nothing valid left: the ring starts over."""
+        self._positions.clear()
+        self._slots.clear()
+        for _, added in self._running.values():
+            added.clear()
 
-    def _drop(self, rows: torch.Tensor) -> None:
-        self._row_of_slot[self._slots[rows]] = -1
-        self._valid[rows] = False
-
-    def _take(self, rows: torch.Tensor) -> Rows | None:
-        if rows.numel() == 0:
+    def _take(self, rows: list[int]) -> Rows | None:
+        if not rows:
             return None
-        taken = (self._hidden[rows], self._positions[rows], self._slots[rows])
-        self._drop(rows)
-        if not self._valid[: self._head].any():
-            self._head = 0
+        index = torch.tensor(rows)
+        taken = (
+            self._hidden[index],
+            torch.tensor([self._positions[r] for r in rows]),
+            torch.tensor([self._slots[r] for r in rows]),
+        )
+        for row in rows:
+            del self._row_of_slot[self._slots[row]]
+        if not self._row_of_slot:
+            self._reset()
         return taken
+
+
+def _ints(slots: torch.Tensor | Sequence[int]) -> list[int]:
+    return slots.view(-1).tolist() if isinstance(slots, torch.Tensor) else list(slots)

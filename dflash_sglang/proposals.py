@@ -240,6 +240,15 @@ class Planner:
             return (*curves[id(stats)], len(p.tokens), p)
 
         suffix_curves = [[curve(p) for p in cands] for cands in proposals]
+        chains: dict[tuple[int, int], tuple[float, SuffixProposal]] = {}
+
+        def best_chain(r: int, n: int) -> tuple[float, SuffixProposal]:
+            """Request r's best suffix chain of up to n tokens, (E_r - 1, proposal), the first
+            of equals; drafting and lookup-only options of a width share it."""
+            if (r, n) not in chains:
+                scored = [(gain[min(n, length)], p) for gain, _, length, p in suffix_curves[r]]
+                chains[r, n] = max(scored, key=lambda s: s[0])
+            return chains[r, n]
 
         def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None, bool]:
             """(E_r - 1, the suffix proposal taken or None, verified as a tree); ties go to
@@ -248,8 +257,7 @@ class Planner:
             best = gain_dflash[n] if opt.run_draft else 0.0
             taken, tree = None, False
             if suffix_curves[r]:
-                scored = [(gain[min(n, length)], p) for gain, _, length, p in suffix_curves[r]]
-                chain, p = max(scored, key=lambda s: s[0])  # the first of equals
+                chain, p = best_chain(r, n)
                 if self.prefer_suffix or chain > best:
                     best, taken = chain, p
             a = opt.tree_dflash

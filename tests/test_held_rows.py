@@ -57,6 +57,25 @@ def test_running_rows_come_back_in_order_committed_only_as_copies():
     assert held.room() == 100  # nothing valid left: the ring starts over
 
 
+def test_each_read_returns_what_was_held_since_the_last():
+    """The drafter reads its batch's rows on every drafting step: a second read returns only
+    the rows held since the first, while rows a prefix read took or a newer row replaced
+    never come back."""
+    held = HeldRows(capacity=100)
+    a, b, c = Req(), Req(), Req()
+    _step(held, 0.0, [10, 20, 30], [a, b, c])
+    held.retire([a, b])  # c left: its row waits for a prefix read
+    assert _values(held.take_running()) == [0.0, 1.0]
+    _step(held, 3.0, [11, 21], [a, b])
+    _step(held, 5.0, [12, 11], [a, b])  # slot 11 again: b's newer row replaces a's
+    assert _values(held.take_slots(torch.tensor([12]))) == [5.0]
+    assert _values(held.take_running()) == [4.0, 6.0]
+    assert held.take_running() is None
+    assert len(held) == 1 and held.room() == 93  # c's row keeps the ring from starting over
+    assert _values(held.take_slots(torch.tensor([30, 30]))) == [2.0]
+    assert len(held) == 0 and held.room() == 100
+
+
 def test_rows_of_a_request_that_left_wait_for_a_prefix_read():
     held = HeldRows(capacity=100)
     a, b = Req(), Req()
