@@ -108,6 +108,13 @@ def test_the_call_timer_times_worker_phases_that_exist():
     spec.loader.exec_module(timer)  # DFLASH_CALL_TIMES unset: no import hook installed
     for name in (*timer.WORKER_PHASES, "decode_step"):
         assert callable(getattr(DFlashXWorker, name)), name
+    # Timed inside a drafting step, looked up where the worker finds them.
+    from sglang.srt.models.dflash import DFlashDraftModel
+
+    from dflash_sglang import worker
+
+    assert callable(worker.draft_vocab.select_extended)
+    assert callable(DFlashDraftModel.project_target_hidden)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,10 @@ forward, acceptance or sampling, allocation inside it), and `step_period`, from 
 own work between them included). Their difference to the forward's is what a step adds.
 
 And the phases of a DFLASH_X decode step (`worker.<method>`: lookups, plan, proposal,
-verify, acceptance, injection, and the whole `decode_step`), each recorded once per step
+verify, acceptance, injection, and the whole `decode_step`; inside a drafting step the
+block's forward (`draft_block`), the held rows' catch-up write (`write_rows`), the
+restricted draft head (`draft_head`) and the projection of the target's features for
+injection (`project_target_hidden`)), each recorded once per step
 with the step's verify width, which every decode record carries as `rows` = requests x
 width (the forwards: tokens; attention: query rows), so a summary can split by width.
 """
@@ -80,7 +83,7 @@ def _time_forwards(module) -> None:
 _width = [1]
 WORKER_PHASES = (
     "_suffix_proposals", "plan_step", "propose", "verify", "accept", "_accept_tree",
-    "_inject_committed",
+    "_inject_committed", "draft_block", "_write_rows",
 )  # fmt: skip
 
 
@@ -112,19 +115,25 @@ def _time_worker(module) -> None:
     worker = module.DFlashXWorker
     phases: dict[str, int] = {}
 
-    def phase(name: str):
-        method = getattr(worker, name)
+    def phase(owner, name: str, label: str):
+        function = getattr(owner, name)
 
-        def timed(self, *args, **kwargs):
+        def timed(*args, **kwargs):
             start = time.perf_counter_ns()
-            out = method(self, *args, **kwargs)
-            phases[name] = phases.get(name, 0) + time.perf_counter_ns() - start
+            out = function(*args, **kwargs)
+            phases[label] = phases.get(label, 0) + time.perf_counter_ns() - start
             return out
 
-        return timed
+        setattr(owner, name, timed)
 
     for name in WORKER_PHASES:
-        setattr(worker, name, phase(name))
+        phase(worker, name, name)
+    # Inside a drafting step: the restricted draft head, and the drafter's projection of
+    # the target's features (KV injection), which the draft forward's time leaves out.
+    phase(module.draft_vocab, "select_extended", "draft_head")
+    from sglang.srt.models.dflash import DFlashDraftModel
+
+    phase(DFlashDraftModel, "project_target_hidden", "project_target_hidden")
     decode_step = worker.decode_step
 
     def timed_step(self, batch, *args, **kwargs):
