@@ -17,10 +17,11 @@ its new one: every new row of a slot (a prefill's write, `discard`; a newer held
 `add`) drops the held row at that slot first.
 
 Only the features live in a tensor (a ring of `capacity` rows); the bookkeeping — each
-row's slot, position and owner, the slot -> row map — is plain Python. `add` runs on every
-decode step, the drafter idle or not, for a handful of rows: kept in tensors, its ~25 tiny
-ops cost ~0.2 ms a step (1-2% of a width-1 step); the reads (`take_*`, `discard`) run on
-drafting steps and prefills, where a Python pass over the rows is small beside a forward.
+row's slot and position, the slot -> row map, the rows each running request added — is
+plain Python. `add` runs on every decode step, the drafter idle or not, for a handful of
+rows: with the bookkeeping in tensors (~25 tiny ops) a width-1 step's holding took 44-49
+µs, now 8-14 (`bench/held_rows_cost.py`); the reads (`take_*`, `discard`) run on drafting
+steps and prefills, where a Python pass over the rows is small beside a forward.
 """
 
 from __future__ import annotations
