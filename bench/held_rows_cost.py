@@ -25,7 +25,7 @@ from dflash_sglang.cpu_platform import install_sgl_kernel_shim
 install_sgl_kernel_shim()  # with SGLang's CPU engine, its KV pool imports sgl_kernel
 
 from dflash_sglang.held_rows import HeldRows  # noqa: E402
-from dflash_sglang.options import DEFAULT_DEFER_ROWS  # noqa: E402
+from dflash_sglang.options import DEFAULT_DEFER_ROWS, at_least  # noqa: E402
 
 FEATURES = 2880
 
@@ -71,30 +71,17 @@ def run(bs: int, steps: int, draft_every: int, reply: int) -> dict[str, float]:
     }
 
 
-def _at_least(flag: str, low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def _batches(text: str) -> list[int]:
-    parse = _at_least("--batch", 1)
+    parse = at_least("--batch", 1)
     return [parse(part) for part in text.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", type=_batches, default="1,4,16", help="requests a step, comma list")
-    ap.add_argument("--steps", type=_at_least("--steps", 1), default=3000)
-    ap.add_argument("--draft-every", type=_at_least("--draft-every", 0), default=10)
-    ap.add_argument("--reply", type=_at_least("--reply", 1), default=40)
+    ap.add_argument("--steps", type=at_least("--steps", 1), default=3000)
+    ap.add_argument("--draft-every", type=at_least("--draft-every", 0), default=10)
+    ap.add_argument("--reply", type=at_least("--reply", 1), default=40)
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -123,7 +123,9 @@ def parse_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-def _at_least(flag: str, low: int):
+def at_least(flag: str, low: int):
+    """An argparse type: an integer >= `low`, a bad one named by its `flag`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -150,11 +152,11 @@ def _share(flag: str):
 
 
 def _positive(flag: str):
-    return _at_least(flag, 1)
+    return at_least(flag, 1)
 
 
 def _non_negative(flag: str):
-    return _at_least(flag, 0)
+    return at_least(flag, 0)
 
 
 def _shared_capacity(text: str) -> int:

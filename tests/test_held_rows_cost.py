@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "held_rows_cost.py"
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--batch", "4,x"], "--batch must be an integer"),
+        (["--batch", "4,x"], "--batch takes an integer"),
         (["--batch", "0"], "--batch must be >= 1"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--draft-every", "-1"], "--draft-every must be >= 0"),
