@@ -25,11 +25,8 @@ def settled(process: ManagedProcess, stopped: bool, timeout_s: float = 10.0) -> 
     deadline = time.monotonic() + timeout_s
     while True:
         states = tree_states(process)
-        if (states == {psutil.STATUS_STOPPED}) == stopped and (
-            stopped or psutil.STATUS_STOPPED not in states
-        ):
-            return states
-        if time.monotonic() > deadline:
+        done = states == {psutil.STATUS_STOPPED} if stopped else psutil.STATUS_STOPPED not in states
+        if done or time.monotonic() > deadline:
             return states
         time.sleep(0.02)
 
