@@ -6,7 +6,8 @@ the drafter's `fc` use).
     python bench/packed_gemm.py [--threads 2] [--rows 1,4,16]
 
 The shapes are the embedded SmolLM2's: gate/up (3072x576), down (576x1536), q/k/v
-(960x576), the drafter's fc (576x2880) and the LM head (49152x576). Each is timed in a
+(960x576), the drafter's fc (576x2880), its restricted head (8192x576) and the LM head
+(49152x576). Each is timed in a
 tight loop, so the small weights sit partly in cache; the LM head's (56 MB) does not.
 """
 
@@ -23,6 +24,7 @@ SHAPES = {
     "down": (576, 1536),
     "qkv": (960, 576),
     "draft_fc": (576, 2880),
+    "draft_head": (8192, 576),  # the bundled drafter's restricted vocabulary
     "lm_head": (49152, 576),
 }
 
