@@ -50,6 +50,7 @@ from pathlib import Path
 
 from dflash_sglang import suffix_corpus
 from dflash_sglang.loadtest import server_metrics
+from dflash_sglang.loadtest.level_stats import steady_rate, steady_window
 from dflash_sglang.managed_server import Server, paused
 from dflash_sglang.metrics import (
     ACCEPTED,
@@ -111,7 +112,6 @@ BASE = "@base"
 # window's token count is exact to within one chunk per request, and the arms pay the same
 # streaming cost per token whatever their tokens per step.
 STREAM_INTERVAL = 8
-MIN_STEADY_SECONDS = 2.0
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -173,13 +173,6 @@ def run(server: Server, prompts: list[list[int]], concurrency: int, sampling: di
     }
 
 
-def steady_window(sent: list[float], users: int) -> tuple[float, float]:
-    """(first refill, last send) from the times prompts were taken, in order: the window in
-    which every user has a request in flight, the opening burst of `users` sends behind.
-    Empty (both ends the last send) when no user took a second prompt."""
-    return sent[min(users, len(sent) - 1)], sent[-1]
-
-
 def tokens_by(timelines: list[list[tuple[float, int]]], moment: float) -> int:
     """Tokens the streams had delivered by `moment` (each timeline: (time, tokens so far))."""
     return sum(max((n for t, n in timeline if t <= moment), default=0) for timeline in timelines)
@@ -204,18 +197,13 @@ def interleaved(servers: dict[str, Server], prompts: list, c: int, sampling: dic
                 total["deltas"][key] = total["deltas"].get(key, 0.0) + value
     return {
         arm: {field: t[field] for field in fields}
-        | {"tok_s": t["tokens"] / t["seconds"], "steady_tok_s": _rate(t)}
+        | {
+            "tok_s": t["tokens"] / t["seconds"],
+            "steady_tok_s": steady_rate(t["steady_tokens"], t["steady_seconds"]),
+        }
         | counts(t["deltas"])
         for arm, t in totals.items()
     }
-
-
-def _rate(totals: dict) -> float | None:
-    """Tokens per second while every user had a request in flight, past the opening burst
-    (None: too short a window to say, when a slice has too few prompts per user)."""
-    if totals["steady_seconds"] < MIN_STEADY_SECONDS:
-        return None
-    return totals["steady_tokens"] / totals["steady_seconds"]
 
 
 def counts(deltas: dict[str, float]) -> dict:

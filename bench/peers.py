@@ -44,7 +44,7 @@ import requests
 from dflash_sglang import metrics
 from dflash_sglang.loadtest import prompt_sets, server_metrics
 from dflash_sglang.loadtest.chat_stream import CHAT_PATH
-from dflash_sglang.loadtest.level_stats import LevelStats, summarize
+from dflash_sglang.loadtest.level_stats import LevelStats, steady, steady_rate, summarize
 from dflash_sglang.loadtest.locust_runner import LevelPlan, run_level
 from dflash_sglang.loadtest.plots import write_plots
 from dflash_sglang.loadtest.report import LevelRow, set_speedups, write_csv, write_json
@@ -179,13 +179,16 @@ def run_slice(arm: Arm, models: Models, prompts: list[str], c: int, args, work: 
 
 
 def level_row(arm: Arm, c: int) -> LevelRow:
-    """Throughput over the arm's slices (their durations add: they ran one after another);
-    latency percentiles over all its requests."""
+    """Throughput over the arm's slices (their durations add: they ran one after another),
+    and the same inside each slice's steady window; latency percentiles over all its
+    requests."""
     stats = [summarize(s, len(s)) for s in arm.slices]
     seconds = sum(s.duration_s for s in stats)
     tokens = sum(s.output_tokens for s in stats)
+    windows = [steady(s, c) for s in arm.slices]
+    steady_tok_s = steady_rate(sum(t for t, _ in windows), sum(w for _, w in windows))
     records = [r for s in arm.slices for r in s]
-    whole = summarize(records, len(records))
+    whole = replace(summarize(records, len(records)), steady_tok_s=steady_tok_s)
     return LevelRow(
         server=arm.name,
         url=arm.url or "z-lab loop, in its own process",
@@ -265,15 +268,17 @@ def _arm_order(name: str) -> int:
 
 
 def print_table(rows: list[LevelRow]) -> None:
-    print("| concurrency | arm | output tok/s | TTFT p50 ms | TPOT p50 ms | τ | errors |")
-    print("|---|---|---|---|---|---|---|")
+    head = ["concurrency", "arm", "output tok/s", "steady tok/s", "TTFT p50 ms", "TPOT p50 ms"]
+    print("| " + " | ".join([*head, "τ", "errors"]) + " |")
+    print("|---" * (len(head) + 2) + "|")
     for r in rows:
         cells = [r.stats.ttft_p50_ms, r.stats.tpot_p50_ms]
         ms = ["–" if v is None else f"{v:.0f}" for v in cells]
         tau = "–" if r.tau is None else f"{r.tau:.2f}"
+        steady_tok_s = "–" if r.stats.steady_tok_s is None else f"{r.stats.steady_tok_s:.1f}"
         print(
-            f"| {r.concurrency} | {r.server} | {r.stats.output_tok_s:.1f} | {ms[0]} | {ms[1]} "
-            f"| {tau} | {r.stats.errors} |"
+            f"| {r.concurrency} | {r.server} | {r.stats.output_tok_s:.1f} | {steady_tok_s} "
+            f"| {ms[0]} | {ms[1]} | {tau} | {r.stats.errors} |"
         )
 
 

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MIN_STEADY_SECONDS = 2.0  # a shorter steady window says too little to report
+
 
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between closest ranks (numpy's default); None
@@ -21,10 +23,48 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def steady_window(sent: Sequence[float], users: int) -> tuple[float, float]:
+    """(first refill, last send) from the times prompts were sent, in order: the window in
+    which every closed-loop user has a request in flight, the opening burst of `users` sends
+    behind it and the drain, when users run out of prompts one by one, after it. Empty
+    (both ends the last send) when no user sent a second prompt."""
+    return sent[min(users, len(sent) - 1)], sent[-1]
+
+
+def streamed_by(record: dict[str, Any], moment: float) -> float:
+    """Output tokens a request had streamed by `moment`, linear from its first token to its
+    last (records keep no per-token times)."""
+    if record["error"] or record["ttft_s"] is None:
+        return 0.0
+    first, last, tokens = (
+        record["t_start"] + record["ttft_s"],
+        record["t_end"],
+        record["output_tokens"],
+    )
+    if moment < first:
+        return 0.0
+    if moment >= last or last <= first:
+        return float(tokens)
+    return 1.0 + (tokens - 1) * (moment - first) / (last - first)
+
+
+def steady(records: Sequence[dict[str, Any]], users: int) -> tuple[float, float]:
+    """(tokens, seconds) streamed while every one of `users` closed-loop users had a request
+    in flight (`steady_window`): throughput without the opening burst and the drain, whose
+    length depends on how far the users' requests drift apart."""
+    if not records:
+        return 0.0, 0.0
+    start, end = steady_window(sorted(r["t_start"] for r in records), users)
+    tokens = sum(streamed_by(r, end) - streamed_by(r, start) for r in records)
+    return tokens, end - start
+
+
 @dataclass(frozen=True)
 class LevelStats:
     """Throughput is total output tokens over the level's wall time (first request sent to
-    last request done); latencies in milliseconds over the successful requests."""
+    last request done); steady throughput the same inside `steady_window` (None when not
+    asked for, or when the window is shorter than `MIN_STEADY_SECONDS`); latencies in
+    milliseconds over the successful requests."""
 
     requests: int  # finished (ok or failed)
     errors: int
@@ -38,9 +78,18 @@ class LevelStats:
     ttft_p99_ms: float | None
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
+    steady_tok_s: float | None = None
 
 
-def summarize(records: Sequence[dict[str, Any]], planned: int) -> LevelStats:
+def steady_rate(tokens: float, seconds: float) -> float | None:
+    """Tokens per second over a steady window, None when it is too short to say."""
+    return tokens / seconds if seconds >= MIN_STEADY_SECONDS else None
+
+
+def summarize(
+    records: Sequence[dict[str, Any]], planned: int, users: int | None = None
+) -> LevelStats:
+    """`users`: the closed-loop users that sent `records`, for the steady throughput."""
     ok = [r for r in records if not r["error"]]
     duration = (
         max(r["t_end"] for r in records) - min(r["t_start"] for r in records) if records else 0.0
@@ -61,4 +110,5 @@ def summarize(records: Sequence[dict[str, Any]], planned: int) -> LevelStats:
         ttft_p99_ms=percentile(ttft_ms, 99),
         tpot_p50_ms=percentile(tpot_ms, 50),
         tpot_p99_ms=percentile(tpot_ms, 99),
+        steady_tok_s=steady_rate(*steady(records, users)) if users else None,
     )

@@ -12,7 +12,7 @@ from .level_stats import LevelStats
 
 CSV_COLUMNS = [
     "server", "concurrency", "requests", "errors", "unfinished", "duration_s",
-    "output_tokens", "output_tok_s", "speedup", "mean_output_tokens",
+    "output_tokens", "output_tok_s", "steady_tok_s", "speedup", "mean_output_tokens",
     "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tau", "no_text",
 ]  # fmt: skip
 

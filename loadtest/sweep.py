@@ -77,7 +77,7 @@ def _measure(
         url=plan.url,
         concurrency=plan.concurrency,
         planned=plan.num_requests,
-        stats=summarize(records, plan.num_requests),
+        stats=summarize(records, plan.num_requests, plan.concurrency),
         tau=server_metrics.tau(deltas) if deltas is not None else None,
         metrics_delta=deltas,
         gauges_after=after.gauges if after else None,

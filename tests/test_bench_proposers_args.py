@@ -44,13 +44,3 @@ def test_steady_window_counts_what_each_stream_delivered_by_then():
     assert tokens_by(timelines, 2.0) == 16
     assert tokens_by(timelines, 2.7) == 16 + 8
     assert tokens_by(timelines, 9.0) == 20 + 9
-
-
-def test_steady_window_starts_at_the_first_refill_and_ends_at_the_last_send():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from bench_proposers import steady_window
-
-    # Two users: the opening burst is the first two sends; the third send is the first refill.
-    assert steady_window([0.0, 0.1, 3.0, 4.5, 6.0], users=2) == (3.0, 6.0)
-    # One wave (no user took a second prompt): an empty window.
-    assert steady_window([0.0, 0.1], users=2) == (0.1, 0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_sglang.loadtest import chat_stream, prompt_sets, server_metrics, sweep_args
-from dflash_sglang.loadtest.level_stats import percentile, summarize
+from dflash_sglang.loadtest.level_stats import percentile, steady, steady_window, summarize
 from dflash_sglang.loadtest.report import LevelRow, set_speedups
 from tests.server import free_port
 
@@ -174,6 +174,42 @@ def test_level_summary_counts_errors_and_wall_time():
     assert stats.duration_s == pytest.approx(2.0) and stats.output_tok_s == pytest.approx(10.0)
     assert stats.ttft_p50_ms == pytest.approx(200.0) and stats.tpot_p99_ms == pytest.approx(29.8)
     assert stats.mean_output_tokens == pytest.approx(10.0)
+
+
+def test_steady_window_starts_at_the_first_refill_and_ends_at_the_last_send():
+    # Two users: the opening burst is the first two sends; the third send is the first refill.
+    assert steady_window([0.0, 0.1, 3.0, 4.5, 6.0], users=2) == (3.0, 6.0)
+    # One wave (no user took a second prompt): an empty window.
+    assert steady_window([0.0, 0.1], users=2) == (0.1, 0.1)
+
+
+def test_steady_throughput_leaves_out_the_opening_and_the_drain():
+    # Two users, three requests each, 11 tokens over 1 s after a 0.1-s TTFT; user b's
+    # requests take twice as long, so a runs dry at 3 s and b drains alone until 6 s.
+    a = [record(t, t + 1.0, tokens=11, ttft=0.0) for t in (0.0, 1.0, 2.0)]
+    b = [record(t, t + 2.0, tokens=11, ttft=0.0) for t in (0.0, 2.0, 4.0)]
+    # Sends 0, 0, 1, 2, 2, 4: the window is [1, 4]. By 1 s a had streamed 11 + 1 (its second
+    # request's first token) and by 4 s 33; b 1 + 10 / 2 = 6 by 1 s and 11 + 11 + 1 by 4 s.
+    tokens, seconds = steady(a + b, users=2)
+    assert seconds == pytest.approx(3.0)
+    assert tokens == pytest.approx((33 - 12) + (23 - 6))
+    stats = summarize(a + b, planned=6, users=2)
+    assert stats.steady_tok_s == pytest.approx(38 / 3)
+    assert stats.output_tok_s == pytest.approx(66 / 6)  # the whole run, the drain included
+    # Without users, or with a window under two seconds, no steady figure.
+    assert summarize(a + b, planned=6).steady_tok_s is None
+    assert summarize(a[:2] + b[:1], planned=3, users=2).steady_tok_s is None
+
+
+def test_steady_tokens_skip_failed_requests_and_count_partial_streams():
+    failed = record(0.5, 0.6, tokens=0, ttft=None, tpot=None, error="HTTP 500")
+    ok = [record(0.0, 4.0, tokens=41, ttft=0.0), record(0.0, 1.0, tokens=11, ttft=0.0)]
+    late = record(3.0, 7.0, tokens=9, ttft=1.0)  # first token at 4 s, after the window
+    tokens, seconds = steady([*ok, failed, late], users=1)
+    # Sends 0, 0, 0.5, 3: window [0, 3]. The first request had streamed its first token at
+    # 0 s and 1 + 40 * 3/4 = 31 by 3 s, the second 1 and 11; the failed and late ones nothing.
+    assert seconds == pytest.approx(3.0)
+    assert tokens == pytest.approx((31 - 1) + (11 - 1))
 
 
 def test_speedup_is_against_the_baseline_at_the_same_level():
