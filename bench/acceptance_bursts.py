@@ -22,10 +22,9 @@ import json
 from pathlib import Path
 
 import torch
-from tree_offline import lengths_at
+from tree_offline import lengths_at, load_pair
 
-from dflash_sglang.drafter import DFlashDrafter
-from dflash_sglang.options import at_least
+from dflash_sglang.options import at_least, number
 from dflash_sglang.training import features
 
 
@@ -83,19 +82,6 @@ def int_list(flag: str, low: int):
     return lambda text: [one(part) for part in text.split(",")]
 
 
-def non_negative(flag: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {value}")
-        return value
-
-    return parse
-
-
 def heldout(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -109,22 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         "--heldout", nargs="+", type=heldout, required=True, help="NAME=FEATURES_DIR ..."
     )
     parser.add_argument("--drafter", type=Path, required=True)
-    parser.add_argument("--draft-cost", type=non_negative("--draft-cost"), default=0.63)
-    parser.add_argument("--token-cost", type=non_negative("--token-cost"), default=0.03)
+    parser.add_argument("--draft-cost", type=number("--draft-cost", 0.0), default=0.63)
+    parser.add_argument("--token-cost", type=number("--token-cost", 0.0), default=0.03)
     parser.add_argument("--widths", type=int_list("--widths", 2), default=[2, 4, 8, 16])
     parser.add_argument("--skips", type=int_list("--skips", 0), default=[0, 1, 2, 3, 5])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    from dflash_sglang.default_model import ensure_default_target
-
-    target = AutoModelForCausalLM.from_pretrained(ensure_default_target(), dtype=torch.float32)
-    embed = target.get_input_embeddings()
-    weight = target.get_output_embeddings().weight.detach().float()
-    drafter = DFlashDrafter.load(args.drafter).eval()
+    embed, weight, drafter = load_pair(args.drafter)
     report: dict = {"draft_cost": args.draft_cost, "token_cost": args.token_cost}
     for name, path in args.heldout:
         walks = []

@@ -103,9 +103,11 @@ def vllm_process(models: Models, dtype: str, speculative: bool, log: Path) -> Ma
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", models.target]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
-    cmd += ["--served-model-name", "target", "--gpu-memory-utilization", "0.1"]
-    # vLLM refuses to start unless one request of max_model_len fits its KV memory; 8,192
-    # (the target's) did not in fp32 on a 24-GB machine, and no request here needs more.
+    # KV memory set outright: sized from `--gpu-memory-utilization` it is that share of the
+    # machine's memory minus the worker's own (fp32) footprint, 0.07 GiB in one start here,
+    # too little for one request of max_model_len. 1 GiB holds sixteen of these requests in
+    # fp32 (~46 KB a token); 8,192 tokens (the target's) are more than any request needs.
+    cmd += ["--served-model-name", "target", "--kv-cache-memory-bytes", str(2**30)]
     cmd += ["--max-model-len", "4096"]
     if speculative:
         config = {"method": "dflash", "model": models.draft_full, "num_speculative_tokens": 15}

@@ -53,6 +53,18 @@ def lengths_at(drafter, embed, weight, example, end: int) -> tuple[dict, dict]:
     return dflash, suffix
 
 
+def load_pair(drafter_dir: Path):
+    """(embedding, fp32 LM head weight) of the embedded target, and the drafter, for
+    `lengths_at`."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_sglang.default_model import ensure_default_target
+
+    target = AutoModelForCausalLM.from_pretrained(ensure_default_target(), dtype=torch.float32)
+    weight = target.get_output_embeddings().weight.detach().float()
+    return target.get_input_embeddings(), weight, DFlashDrafter.load(drafter_dir).eval()
+
+
 def policies() -> dict:
     def tree(a: int, s: int):
         return lambda d, q: max(min(d, a + 1), min(q, s + 1))
@@ -75,14 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    from dflash_sglang.default_model import ensure_default_target
-
-    target = AutoModelForCausalLM.from_pretrained(ensure_default_target(), dtype=torch.float32)
-    embed = target.get_input_embeddings()
-    weight = target.get_output_embeddings().weight.detach().float()
-    drafter = DFlashDrafter.load(args.drafter).eval()
+    embed, weight, drafter = load_pair(args.drafter)
     report = {}
     for spec in args.heldout:
         name, path = spec.split("=", 1)

@@ -138,14 +138,17 @@ def at_least(flag: str, low: int):
     return parse
 
 
-def _share(flag: str):
+def number(flag: str, low: float, high: float | None = None):
+    """An argparse type: a number >= `low` (and <= `high`), a bad one named by its `flag`."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
-        if not 0.0 <= value <= 1.0:
-            raise argparse.ArgumentTypeError(f"{flag} must be in [0, 1], got {text}")
+        if not (value >= low and (high is None or value <= high)):  # NaN fails too
+            bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{flag} must be {bound}, got {text}")
         return value
 
     return parse
@@ -259,7 +262,7 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--dflash-explore-budget",
-        type=_share("--dflash-explore-budget"),
+        type=number("--dflash-explore-budget", 0.0, 1.0),
         default=SpecOptions.explore_budget,
         help="the share of step time exploring steps may add (default 0.01; 1: explore "
         "every --dflash-explore-every steps whatever it costs)",

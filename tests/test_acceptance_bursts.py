@@ -51,6 +51,7 @@ def test_bursts_share_after_accepted_and_missed():
         (["--heldout", "a=b", "--widths", "1,4"], "--widths must be >= 2"),
         (["--heldout", "a=b", "--skips", "x"], "--skips takes an integer"),
         (["--heldout", "a=b", "--draft-cost", "-1"], "--draft-cost must be >= 0"),
+        (["--heldout", "a=b", "--token-cost", "nan"], "--token-cost must be >= 0"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message):

@@ -80,6 +80,7 @@ def test_explicit_widths_are_sorted_and_deduplicated():
         (["--dflash-explore-every", "-1"], "--dflash-explore-every must be >= 0"),
         (["--dflash-explore-budget", "2"], "--dflash-explore-budget must be in [0, 1]"),
         (["--dflash-explore-budget", "x"], "--dflash-explore-budget takes a number"),
+        (["--dflash-explore-budget", "nan"], "--dflash-explore-budget must be in [0, 1]"),
         (["--dflash-suffix-shared", "1"], "--dflash-suffix-shared must be 0 (off) or >= 2"),
         (["--dflash-suffix-shared", "x"], "--dflash-suffix-shared takes an integer"),
         (["--dflash-kernels", "mine"], "--dflash-kernels: invalid choice: 'mine'"),
