@@ -18,6 +18,7 @@ at width 1, 22.2 ms a drafting step at width 4, 0.38 ms per verified token).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -25,19 +26,14 @@ import torch
 from tree_offline import lengths_at, load_pair
 
 from dflash_sglang.options import at_least, number
-from dflash_sglang.training import features
+from dflash_sglang.training import evaluate, features
 
 
 def walk_pairs(lengths: list[int]) -> list[tuple[int, int]]:
     """(previous, next) acceptance lengths of consecutive steps of the walk that drafts the
     whole block every step."""
-    pairs, p, previous = [], 0, None
-    while p < len(lengths):
-        if previous is not None:
-            pairs.append((previous, lengths[p]))
-        previous = lengths[p]
-        p += lengths[p]
-    return pairs
+    steps = evaluate.greedy_walk(lengths)
+    return list(itertools.pairwise(steps))
 
 
 def skip_after_miss(

@@ -151,10 +151,17 @@ def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -
         anchors = positions[i : i + chunk]
         lengths = acceptance_at(drafter, embed, head, example, anchors)
         at.update(zip(anchors.tolist(), lengths, strict=True))
-    steps, pos = [], example.prompt_len
-    while pos < end:
-        steps.append(at[pos])
-        pos += at[pos]
+    return greedy_walk([at[p] for p in range(example.prompt_len, end)])
+
+
+def greedy_walk(lengths: list[int]) -> list[int]:
+    """The acceptance lengths of the steps a decode takes, given the acceptance length
+    (bonus included, >= 1) of a step anchored at every position: each step starts where the
+    previous one's accepted drafts and bonus end."""
+    steps, pos = [], 0
+    while pos < len(lengths):
+        steps.append(lengths[pos])
+        pos += lengths[pos]
     return steps
 
 
