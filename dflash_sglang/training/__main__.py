@@ -404,34 +404,30 @@ def cmd_export(a: argparse.Namespace) -> None:
     print(f"exported step {state['step']} to {drafter.save(a.out)}")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dflash_sglang.training",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _common(sp: argparse.ArgumentParser, target: bool = True) -> None:
+    if target:
+        sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
+    sp.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+def _shape(sp: argparse.ArgumentParser) -> None:
+    """The drafter's shape, for the commands that build one."""
+    sp.add_argument("--num-layers", type=int, default=5)
+    sp.add_argument(
+        "--block-size",
+        type=int,
+        help=f"default: {DEFAULT_BLOCK_SIZE}; train --init-drafter: retrain that drafter at "
+        "this size (default: its own)",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
+    sp.add_argument("--mask-token-id", type=int, help="mask token id (e.g. Qwen3: 151669)")
+    sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
+    sp.add_argument("--rope-theta", type=float, help="draft RoPE base (default: the target's)")
 
-    def common(sp, target=True):
-        if target:
-            sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
-        sp.add_argument("--threads", type=int, default=2, help="torch threads")
 
-    def shape(sp):
-        sp.add_argument("--num-layers", type=int, default=5)
-        sp.add_argument(
-            "--block-size",
-            type=int,
-            help=f"default: {DEFAULT_BLOCK_SIZE}; train --init-drafter: retrain that drafter at "
-            "this size (default: its own)",
-        )
-        sp.add_argument("--mask-token", help="mask token string (default: <|MASK|>)")
-        sp.add_argument("--mask-token-id", type=int, help="mask token id (e.g. Qwen3: 151669)")
-        sp.add_argument("--target-layer-ids", help="comma list; default: the DFlash rule")
-        sp.add_argument("--rope-theta", type=float, help="draft RoPE base (default: the target's)")
-
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="target responses to real prompts")
-    common(g)
+    _common(g)
     g.add_argument("--out", required=True, help="JSONL file (appended; resumes)")
     g.add_argument("--num-prompts", type=int, default=2000)
     g.add_argument("--server-url", help="use this running server instead of starting one")
@@ -461,18 +457,22 @@ def parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_generate)
 
+
+def _add_features(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("features", help="cache target features")
-    common(f)
-    shape(f)
+    _common(f)
+    _shape(f)
     f.add_argument("--data", required=True)
     f.add_argument("--features-dir", required=True)
     f.add_argument("--max-len", type=int, default=512)
     f.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     f.set_defaults(func=cmd_features)
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train the drafter")
-    common(t)
-    shape(t)
+    _common(t)
+    _shape(t)
     t.add_argument("--features-dir", help="cached features (CPU recipe)")
     t.add_argument("--data", help="generated JSONL; features computed online (GPU recipe)")
     t.add_argument("--max-len", type=int, default=512, help="with --data")
@@ -520,8 +520,10 @@ def parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=cmd_train)
 
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("evaluate", help="τ on held-out sets")
-    common(e)
+    _common(e)
     e.add_argument("--drafter", required=True)
     e.add_argument("--sets", default=",".join(EVAL_SETS))
     e.add_argument("--limit", type=int, default=20, help="prompts per set")
@@ -553,8 +555,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write the JSON report here")
     e.set_defaults(func=cmd_evaluate)
 
+
+def _add_yardstick(sub: argparse._SubParsersAction) -> None:
     y = sub.add_parser("yardstick", help="slot-1 yardstick: a one-layer head, same features")
-    common(y)
+    _common(y)
     y.add_argument("--features-dir", required=True, help="cached training features")
     y.add_argument(
         "--heldout-features", required=True, help="comma list of cached held-out feature dirs"
@@ -565,10 +569,30 @@ def parser() -> argparse.ArgumentParser:
     y.add_argument("--out", help="write the JSON report here")
     y.set_defaults(func=cmd_yardstick)
 
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="checkpoint.pt -> z-lab drafter dir")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_sglang.training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_generate,
+        _add_features,
+        _add_train,
+        _add_evaluate,
+        _add_yardstick,
+        _add_export,
+    ):
+        add(sub)
     return p
 
 
