@@ -143,66 +143,35 @@ def write_random_draft(
     Random drafts accept nothing beyond chance; they measure the cost of speculation.
     """
     import torch
-    from safetensors.torch import save_file
     from sglang.srt.speculative.dflash_utils import build_target_layer_ids
 
+    from dflash_sglang.drafter import DFlashDrafter, DraftConfig
+
     target = _text_config(read_config(str(target_path), "target"))
-    hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
-    n_target = int(target["num_hidden_layers"])
-    layer_ids = target_layer_ids or build_target_layer_ids(n_target, num_layers)
+    hidden, n_target = int(target["hidden_size"]), int(target["num_hidden_layers"])
     head_dim = min(head_dim, hidden)
     heads = max(1, hidden // head_dim)
-    kv_heads = next(k for k in (heads // 3, heads // 2, 1) if k >= 1 and heads % k == 0)
-    inter = intermediate_size or 2 * hidden
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": 1e-6,
-        "rope_theta": rope_theta_of(target),
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "block_size": block_size,
-        "num_target_layers": n_target,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
-    }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    config = DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or 2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=next(
+            k for k in (heads // 3, heads // 2, 1) if k >= 1 and heads % k == 0
+        ),
+        head_dim=head_dim,
+        vocab_size=int(target["vocab_size"]),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(n_target, num_layers)),
+        num_target_layers=n_target,
+        rope_theta=rope_theta_of(target),
+        max_position_embeddings=int(target.get("max_position_embeddings", 4096)),
+    )
+    drafter = DFlashDrafter(config)
     gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    weights = {
-        "fc.weight": rand(hidden, hidden * len(layer_ids)),
-        "hidden_norm.weight": ones(hidden),
-        "norm.weight": ones(hidden),
-    }
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        weights |= {
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": ones(head_dim),
-            p + "self_attn.k_norm.weight": ones(head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-            p + "input_layernorm.weight": ones(hidden),
-            p + "post_attention_layernorm.weight": ones(hidden),
-        }
-    save_file(weights, str(out / "model.safetensors"))
-    return out
+    with torch.no_grad():
+        for weight in drafter.parameters():
+            if weight.dim() == 2:  # projections; the RMSNorm gains keep their ones
+                weight.copy_(torch.randn(weight.shape, generator=gen) * 0.05)
+    return drafter.save(out)
