@@ -225,51 +225,9 @@ class Planner:
         """`proposals[r]`: request r's suffix proposals (`Candidates`)."""
         proposals = [candidates(p) for p in proposals]
         bs = len(proposals)
-        survival_dflash = self.dflash.survival()
-        gain_dflash = [0.0, *accumulate(survival_dflash)]  # gain[n] = sum S[:n]
-        curves: dict[int, tuple[list[float], list[float]]] = {}  # id(stats) -> (gain, both)
-
-        def curve(p: SuffixProposal) -> tuple[list[float], list[float], int, SuffixProposal]:
-            """p's source's gain[n], the prefix sums of S_dflash * S_src (a tree's overlap),
-            p's length and p."""
-            stats = self.suffix_stats(p)
-            if id(stats) not in curves:
-                survival = stats.survival()
-                both = (d * q for d, q in zip(survival_dflash, survival, strict=True))
-                curves[id(stats)] = ([0.0, *accumulate(survival)], [0.0, *accumulate(both)])
-            return (*curves[id(stats)], len(p.tokens), p)
-
-        suffix_curves = [[curve(p) for p in cands] for cands in proposals]
-        chains: dict[tuple[int, int], tuple[float, SuffixProposal]] = {}
-
-        def best_chain(r: int, n: int) -> tuple[float, SuffixProposal]:
-            """Request r's best suffix chain of up to n tokens, (E_r - 1, proposal), the first
-            of equals; drafting and lookup-only options of a width share it."""
-            if (r, n) not in chains:
-                scored = [(gain[min(n, length)], p) for gain, _, length, p in suffix_curves[r]]
-                chains[r, n] = max(scored, key=lambda s: s[0])
-            return chains[r, n]
-
-        def expected(opt: _Option, r: int) -> tuple[float, SuffixProposal | None, bool]:
-            """(E_r - 1, the suffix proposal taken or None, verified as a tree); ties go to
-            the earlier candidate (own text before shared), then to the drafter's chain."""
-            n = opt.width - 1
-            best = gain_dflash[n] if opt.run_draft else 0.0
-            taken, tree = None, False
-            if suffix_curves[r]:
-                chain, p = best_chain(r, n)
-                if self.prefer_suffix or chain > best:
-                    best, taken = chain, p
-            a = opt.tree_dflash
-            for gain, both, length, p in suffix_curves[r] if a else ():
-                m = min(n - a, length)
-                value = gain_dflash[a] + gain[m] - both[min(a, m)]
-                if value > best or (self.tree == "always" and not tree):
-                    best, taken, tree = value, p, True
-            return best, taken, tree
-
+        gains = _Expectations(self, proposals)
         picks_of = {
-            opt: [expected(opt, r) for r in range(bs)] for opt in self.options(any(proposals))
+            opt: [gains.expected(opt, r) for r in range(bs)] for opt in self.options(any(proposals))
         }
 
         def seconds(opt: _Option) -> float:
@@ -418,3 +376,52 @@ class Planner:
             self.tree_cost += TREE_COST_EMA * (ratio - self.tree_cost)
             return
         self.cost.observe(bs, bs * plan.width, drafted, seconds, draft_seconds)
+
+
+class _Expectations:
+    """One plan's E_r - 1 per request and option (module docstring), with the gain curves
+    computed once per statistics object and the best suffix chain once per (request, n)."""
+
+    def __init__(self, planner: Planner, proposals: list[tuple[SuffixProposal, ...]]) -> None:
+        self.planner = planner
+        self.survival_dflash = planner.dflash.survival()
+        self.gain_dflash = [0.0, *accumulate(self.survival_dflash)]  # gain[n] = sum S[:n]
+        self._curves: dict[int, tuple[list[float], list[float]]] = {}  # id(stats) -> (gain, both)
+        self.suffix_curves = [[self._curve(p) for p in cands] for cands in proposals]
+        self._chains: dict[tuple[int, int], tuple[float, SuffixProposal]] = {}
+
+    def _curve(self, p: SuffixProposal) -> tuple[list[float], list[float], int, SuffixProposal]:
+        """p's source's gain[n], the prefix sums of S_dflash * S_src (a tree's overlap), p's
+        length and p."""
+        stats = self.planner.suffix_stats(p)
+        if id(stats) not in self._curves:
+            survival = stats.survival()
+            both = (d * q for d, q in zip(self.survival_dflash, survival, strict=True))
+            self._curves[id(stats)] = ([0.0, *accumulate(survival)], [0.0, *accumulate(both)])
+        return (*self._curves[id(stats)], len(p.tokens), p)
+
+    def _best_chain(self, r: int, n: int) -> tuple[float, SuffixProposal]:
+        """Request r's best suffix chain of up to n tokens, (E_r - 1, proposal), the first of
+        equals; drafting and lookup-only options of a width share it."""
+        if (r, n) not in self._chains:
+            scored = [(gain[min(n, length)], p) for gain, _, length, p in self.suffix_curves[r]]
+            self._chains[r, n] = max(scored, key=lambda s: s[0])
+        return self._chains[r, n]
+
+    def expected(self, opt: _Option, r: int) -> tuple[float, SuffixProposal | None, bool]:
+        """(E_r - 1, the suffix proposal taken or None, verified as a tree); ties go to the
+        earlier candidate (own text before shared), then to the drafter's chain."""
+        n = opt.width - 1
+        best = self.gain_dflash[n] if opt.run_draft else 0.0
+        taken, tree = None, False
+        if self.suffix_curves[r]:
+            chain, p = self._best_chain(r, n)
+            if self.planner.prefer_suffix or chain > best:
+                best, taken = chain, p
+        a = opt.tree_dflash
+        for gain, both, length, p in self.suffix_curves[r] if a else ():
+            m = min(n - a, length)
+            value = self.gain_dflash[a] + gain[m] - both[min(a, m)]
+            if value > best or (self.planner.tree == "always" and not tree):
+                best, taken, tree = value, p, True
+        return best, taken, tree
