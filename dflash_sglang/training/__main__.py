@@ -404,9 +404,8 @@ def cmd_export(a: argparse.Namespace) -> None:
     print(f"exported step {state['step']} to {drafter.save(a.out)}")
 
 
-def _common(sp: argparse.ArgumentParser, target: bool = True) -> None:
-    if target:
-        sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
+def _common(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
     sp.add_argument("--threads", type=int, default=2, help="torch threads")
 
 
