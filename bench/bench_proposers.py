@@ -36,6 +36,7 @@ points (a server under continuous load; None when a slice has too few prompts pe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import re
@@ -338,6 +339,14 @@ def drafter(choice: str | None, target: Path, work: Path) -> str:
     return choice or str(default_draft_dir())
 
 
+def identity(path: str) -> str:
+    """`NAME sha256:PREFIX` of a drafter directory's weights ('random' as given)."""
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file():
+        return Path(path).name
+    return f"{Path(path).name} sha256:{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
+
+
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
@@ -393,9 +402,10 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    # Drafters by name: the report holds no machine's paths.
-    names = {k: Path(v).name for k in ("draft", "base_draft") if (v := getattr(args, k))}
-    report = {"draft": Path(draft).name, "args": vars(args) | names, "runs": results}
+    # Drafters by name and content: the report holds no machine's paths, and two drafters
+    # both named `drafter` stay told apart.
+    names = {k: identity(v) for k in ("draft", "base_draft") if (v := getattr(args, k))}
+    report = {"draft": identity(draft), "args": vars(args) | names, "runs": results}
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
