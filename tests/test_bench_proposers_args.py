@@ -44,3 +44,17 @@ def test_steady_window_counts_what_each_stream_delivered_by_then():
     assert tokens_by(timelines, 2.0) == 16
     assert tokens_by(timelines, 2.7) == 16 + 8
     assert tokens_by(timelines, 9.0) == 20 + 9
+
+
+def test_reports_tell_drafters_of_the_same_name_apart(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_proposers import identity
+
+    a, b = tmp_path / "a" / "drafter", tmp_path / "b" / "drafter"
+    for path, content in ((a, b"v19"), (b, b"v20")):
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(content)
+    assert identity(str(a)).startswith("drafter sha256:")
+    assert identity(str(a)) != identity(str(b))
+    assert str(tmp_path) not in identity(str(a))
+    assert identity("random") == "random"
