@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,9 +151,17 @@ def test_training_raises_tau_and_the_server_agrees(run, models, tmp_path):
     _deferred_injection_drafts_as_immediate(run, out / "drafter", samples, tmp_path)
 
 
-def test_resumed_training_equals_uninterrupted(run):
-    straight, resumed = run["root"] / "straight", run["root"] / "resumed"
-    assert _train(run, straight, "--max-steps", "12", "--save-every", "4") == 0
+@pytest.fixture(scope="module")
+def straight(run) -> Path:
+    """12 uninterrupted steps, checkpointed every 4: the trained drafter later tests load,
+    so each of them also runs alone."""
+    out = run["root"] / "straight"
+    assert _train(run, out, "--max-steps", "12", "--save-every", "4") == 0
+    return out
+
+
+def test_resumed_training_equals_uninterrupted(run, straight):
+    resumed = run["root"] / "resumed"
     assert _train(run, resumed, "--max-steps", "5", "--save-every", "4") == 0
     assert _train(run, resumed, "--max-steps", "12", "--save-every", "4") == 0
     a = torch.load(straight / "checkpoint.pt", weights_only=False)
@@ -200,10 +209,10 @@ def test_rollout_labels_train_from_the_cli(run, tmp_path):
     assert state["config"]["labels"] == "rollout" and state["config"]["rollout_depth"] == 3
 
 
-def test_a_drafter_retrains_at_another_block_size(run, tmp_path):
+def test_a_drafter_retrains_at_another_block_size(run, straight, tmp_path):
     """--init-drafter keeps its drafter's block size unless --block-size names another: the
     same weights then train, and are written, at that size."""
-    drafter = run["root"] / "straight" / "drafter"
+    drafter = straight / "drafter"
     args = ["train", "--target", run["target"], "--features-dir", str(run["features"])]
     args += [*TRAIN, "--init-drafter", str(drafter), "--max-steps", "2"]
     assert main([*args, "--out", str(tmp_path / "same")]) == 0
@@ -216,10 +225,10 @@ def test_a_drafter_retrains_at_another_block_size(run, tmp_path):
     assert state["draft_config"]["block_size"] == 3
 
 
-def test_yardstick_from_the_cli(run, tmp_path):
+def test_yardstick_from_the_cli(run, straight, tmp_path):
     """The slot-1 yardstick and the drafter's slot 1, scored on the same held-out positions."""
     out = tmp_path / "yardstick.json"
-    drafter = run["root"] / "straight" / "drafter"
+    drafter = straight / "drafter"
     args = ["yardstick", "--target", run["target"], "--features-dir", str(run["features"])]
     args += ["--heldout-features", str(run["features"]), "--drafter", str(drafter)]
     assert main([*args, "--epochs", "2", "--out", str(out)]) == 0
@@ -227,8 +236,8 @@ def test_yardstick_from_the_cli(run, tmp_path):
     assert 0 < entry["yardstick_top1"] <= 1 and 0 <= entry["drafter_slot1"] <= 1
 
 
-def test_export_round_trip(run, tmp_path):
-    ckpt = run["root"] / "straight" / "checkpoint.pt"
+def test_export_round_trip(run, straight, tmp_path):
+    ckpt = straight / "checkpoint.pt"
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 0
     exported = DFlashDrafter.load(tmp_path / "x")
     state = torch.load(ckpt, weights_only=False)["model"]
@@ -236,7 +245,7 @@ def test_export_round_trip(run, tmp_path):
         assert torch.equal(value, state[key].to(torch.bfloat16).float()), key
 
 
-def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
+def test_bad_arguments_fail_with_the_flag(run, straight, tmp_path, capsys):
     assert main(["train", "--features-dir", str(tmp_path / "nope"), "--out", "x"]) == 2
     assert "--features-dir" in capsys.readouterr().err
     assert main(["train", "--out", "x"]) == 2
@@ -249,7 +258,7 @@ def test_bad_arguments_fail_with_the_flag(run, tmp_path, capsys):
     assert "--drafter" in capsys.readouterr().err
     assert main([*args, "--baseline-url", "http://127.0.0.1:1"]) == 2
     assert "--baseline-url" in capsys.readouterr().err
-    assert main([*args[:-2], "--drafter", str(run["root"] / "straight" / "drafter"),
+    assert main([*args[:-2], "--drafter", str(straight / "drafter"),
                  "--features-dir", str(tmp_path / "nope")]) == 2  # fmt: skip
     assert "--features-dir" in capsys.readouterr().err
     gen = ["generate", "--out", str(tmp_path / "x"), "--prompt-set", "mt_bench"]
