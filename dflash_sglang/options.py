@@ -201,6 +201,13 @@ def _widths_arg(text: str) -> tuple[int, ...]:
 
 
 def add_cli_args(group: argparse._ArgumentGroup) -> None:
+    _add_width_args(group)
+    _add_suffix_args(group)
+    _add_step_args(group)
+
+
+def _add_width_args(group: argparse._ArgumentGroup) -> None:
+    """How wide the target verifies, and how the planner measures the widths it skips."""
     group.add_argument(
         "--dflash-adaptive",
         choices=("on", "off"),
@@ -214,6 +221,25 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="candidate verify widths, comma-separated (default 1,2,4,8 and the block size)",
     )
+    group.add_argument(
+        "--dflash-explore-every",
+        type=_non_negative("--dflash-explore-every"),
+        default=SpecOptions.explore_every,
+        help="at most every N steps the adaptive planner tries a neighbouring width, when "
+        "its exploration budget covers it, so its cost model and acceptance estimates stay "
+        "current (default %(default)s; 0: never)",
+    )
+    group.add_argument(
+        "--dflash-explore-budget",
+        type=number("--dflash-explore-budget", 0.0, 1.0),
+        default=SpecOptions.explore_budget,
+        help="the share of step time exploring steps may add (default 0.01; 1: explore "
+        "every --dflash-explore-every steps whatever it costs)",
+    )
+
+
+def _add_suffix_args(group: argparse._ArgumentGroup) -> None:
+    """The lookups that propose beside the DFlash block."""
     group.add_argument(
         "--dflash-suffix",
         choices=("on", "off", "always"),
@@ -252,21 +278,10 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         "prompt/response text (default: the bundled corpus when serving the embedded default "
         "model, else none; none: start cold)",
     )
-    group.add_argument(
-        "--dflash-explore-every",
-        type=_non_negative("--dflash-explore-every"),
-        default=SpecOptions.explore_every,
-        help="at most every N steps the adaptive planner tries a neighbouring width, when "
-        "its exploration budget covers it, so its cost model and acceptance estimates stay "
-        "current (default %(default)s; 0: never)",
-    )
-    group.add_argument(
-        "--dflash-explore-budget",
-        type=number("--dflash-explore-budget", 0.0, 1.0),
-        default=SpecOptions.explore_budget,
-        help="the share of step time exploring steps may add (default 0.01; 1: explore "
-        "every --dflash-explore-every steps whatever it costs)",
-    )
+
+
+def _add_step_args(group: argparse._ArgumentGroup) -> None:
+    """What one step runs: kernels, draft-KV injection, the draft vocabulary, trees."""
     group.add_argument(
         "--dflash-kernels",
         choices=("ours", "upstream"),
@@ -294,7 +309,6 @@ def add_cli_args(group: argparse._ArgumentGroup) -> None:
         "request's own prompt tokens outside it (names, identifiers a reply copies; "
         f"default {DEFAULT_PROMPT_VOCAB}; 0: the checkpoint's vocabulary alone)",
     )
-
     group.add_argument(
         "--dflash-tree",
         choices=("on", "off", "always"),
