@@ -159,6 +159,21 @@ class PrometheusMetrics:
     """The metrics above in one process; create after PROMETHEUS_MULTIPROC_DIR is set."""
 
     def __init__(self, max_verify_width: int) -> None:
+        widths = [float(n) for n in range(1, max_verify_width + 1)]  # histogram buckets
+        self._acceptance_series(widths)
+        self._step_series(widths)
+        self._held_state_series()
+        self._dropped_seen = 0
+        # Touch every series so dashboards see them from the first scrape.
+        self._positions = [
+            self.accepted_per_pos.labels(str(k)) for k in range(max_verify_width - 1)
+        ]
+        for source in SOURCES:
+            for counter in (self.drafts, self.draft_tokens, self.accepted, self.predicted_accepted):
+                counter.labels(source)
+
+    def _acceptance_series(self, widths: list[float]) -> None:
+        """What was proposed, accepted and expected, per source and per draft position."""
         from prometheus_client import Counter, Histogram
 
         by_source = ["source"]
@@ -181,6 +196,16 @@ class PrometheusMetrics:
             "Drafted tokens accepted at each draft position (0-based).",
             ["position"],
         )
+        self.acceptance_length = Histogram(
+            PREFIX + "acceptance_length",
+            "Tokens emitted per request per step (accepted drafts + bonus).",
+            buckets=widths,
+        )
+
+    def _step_series(self, widths: list[float]) -> None:
+        """Steps: how many, how wide, how long, and what the planner predicted."""
+        from prometheus_client import Counter, Histogram
+
         self.request_steps = Counter(
             PREFIX + "num_request_steps", "Decode request-steps, speculating or not."
         )
@@ -188,14 +213,14 @@ class PrometheusMetrics:
         self.plain_steps = Counter(
             PREFIX + "num_plain_steps", "Decode steps at verify width 1 (speculation off)."
         )
-        widths = [float(n) for n in range(1, max_verify_width + 1)]
-        self.acceptance_length = Histogram(
-            PREFIX + "acceptance_length",
-            "Tokens emitted per request per step (accepted drafts + bonus).",
+        self.step_width = Histogram(
+            PREFIX + "step_verify_width",
+            "Verify width per decode step.",
             buckets=widths,
         )
-        self.step_width = Histogram(
-            PREFIX + "step_verify_width", "Verify width per decode step.", buckets=widths
+        self.verify_width = _last_value_gauge(
+            PREFIX + "verify_width",
+            "Tokens verified per request in the last step (anchor included).",
         )
         self.draft_seconds = Histogram(
             PREFIX + "draft_seconds", "Proposal time per step.", buckets=TIME_BUCKETS
@@ -218,17 +243,15 @@ class PrometheusMetrics:
             by_option,
             buckets=TIME_BUCKETS,
         )
-        self.verify_width = _last_value_gauge(
-            PREFIX + "verify_width",
-            "Tokens verified per request in the last step (anchor included).",
-        )
+
+    def _held_state_series(self) -> None:
+        """What the server holds between steps: draft-KV rows (written, held until read,
+        reused from the radix cache, dropped unread) and the shared lookup's tokens."""
+        from prometheus_client import Counter
+
         self.draft_kv_rows = _last_value_gauge(
             PREFIX + "draft_kv_rows",
             "Draft-KV rows holding injected target features (running and radix-cached).",
-        )
-        self.shared_tokens = _last_value_gauge(
-            SHARED_TOKENS,
-            "Tokens the shared suffix lookup holds (warm-start corpus and finished outputs).",
         )
         self.radix_reused = Counter(
             PREFIX + "radix_reused_draft_kv_tokens",
@@ -242,14 +265,10 @@ class PrometheusMetrics:
             PREFIX + "dropped_draft_kv_rows",
             "Held draft-KV rows of finished requests dropped unread when the holder filled.",
         )
-        self._dropped_seen = 0
-        # Touch every series so dashboards see them from the first scrape.
-        self._positions = [
-            self.accepted_per_pos.labels(str(k)) for k in range(max_verify_width - 1)
-        ]
-        for source in SOURCES:
-            for counter in (self.drafts, self.draft_tokens, self.accepted, self.predicted_accepted):
-                counter.labels(source)
+        self.shared_tokens = _last_value_gauge(
+            SHARED_TOKENS,
+            "Tokens the shared suffix lookup holds (warm-start corpus and finished outputs).",
+        )
 
     def observe_step(
         self,
