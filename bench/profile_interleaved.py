@@ -147,7 +147,7 @@ def check_turn_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
         ap.error("--concurrency, --slice and --rounds must be positive")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_turn_args(ap, "plain,dflash_x_width1", concurrency=16, rounds=6)
     ap.add_argument("--top", type=int, default=40, help="functions printed, by |difference|")
@@ -166,27 +166,24 @@ def main() -> None:
     )
     ap.add_argument("--out")
     args = ap.parse_args()
-
     names = list(arm_args(Path(), Path()))
     chosen = args.arms.split(",")
     unknown = sorted(set(chosen) - set(names))
     if unknown or len(set(chosen)) != len(chosen) or len(chosen) < 2:
         ap.error(f"--arms: two or more different of {', '.join(names)} (got {args.arms})")
     check_turn_args(ap, args)
+    return args
 
-    from dflash_sglang.default_model import ensure_default_target
-    from dflash_sglang.drafters import default_draft_dir
 
-    target = ensure_default_target()
-    arms = arm_args(target, default_draft_dir())
-    prompts = None
-    if args.set:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        prompts = prompt_sets([args.set], tokenizer, 10**6, max_prompt_tokens=1024)[args.set]
-    work = Path(tempfile.mkdtemp(prefix="dflash_interleaved_"))
-    print(f"servers' logs and py-spy stacks in {work}", file=sys.stderr)
+def run_arms(
+    args: argparse.Namespace,
+    arms: dict[str, list[str]],
+    prompts: list[list[int]] | None,
+    work: Path,
+) -> tuple[Counter, Counter]:
+    """Start every arm's server (py-spy on each scheduler unless --no-spy) and drive them
+    in turns: output tokens and seconds per arm."""
+    chosen = args.arms.split(",")
     servers: dict[str, Server] = {}
     try:
         for name in chosen:
@@ -221,25 +218,47 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
+    return tokens, elapsed
 
-    report = {}
-    for name in chosen:
-        steps = tokens[name] / args.concurrency
-        lines = [] if args.no_spy else (work / f"{name}.txt").read_text().splitlines()
-        report[name] = {
-            "output_tok_s": tokens[name] / elapsed[name],
-            "steps": steps,
-            "ms_per_step": {  # the functions that matter, not every frame seen once
-                k: v for k, v in function_ms(lines, steps).items() if v >= 0.05
-            },
-        }
-        if args.time_calls:
-            timed = [
-                line for f in (work / name).glob("*.txt") for line in f.read_text().splitlines()
-            ]
-            report[name]["timed_calls"] = timed_calls(timed, args.concurrency)
-            for label, calls in report[name]["timed_calls"].items():
-                print(f"{name} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in calls.items()))
+
+def arm_report(
+    args: argparse.Namespace, name: str, tokens: int, seconds: float, work: Path
+) -> dict:
+    """One arm's tok/s and ms per step by function (py-spy), and its timed calls."""
+    steps = tokens / args.concurrency
+    lines = [] if args.no_spy else (work / f"{name}.txt").read_text().splitlines()
+    report = {
+        "output_tok_s": tokens / seconds,
+        "steps": steps,
+        "ms_per_step": {  # the functions that matter, not every frame seen once
+            k: v for k, v in function_ms(lines, steps).items() if v >= 0.05
+        },
+    }
+    if args.time_calls:
+        timed = [line for f in (work / name).glob("*.txt") for line in f.read_text().splitlines()]
+        report["timed_calls"] = timed_calls(timed, args.concurrency)
+        for label, calls in report["timed_calls"].items():
+            print(f"{name} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in calls.items()))
+    return report
+
+
+def main() -> None:
+    args = parse_args()
+    from dflash_sglang.default_model import ensure_default_target
+    from dflash_sglang.drafters import default_draft_dir
+
+    target = ensure_default_target()
+    prompts = None
+    if args.set:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        prompts = prompt_sets([args.set], tokenizer, 10**6, max_prompt_tokens=1024)[args.set]
+    work = Path(tempfile.mkdtemp(prefix="dflash_interleaved_"))
+    print(f"servers' logs and py-spy stacks in {work}", file=sys.stderr)
+    tokens, elapsed = run_arms(args, arm_args(target, default_draft_dir()), prompts, work)
+    chosen = args.arms.split(",")
+    report = {name: arm_report(args, name, tokens[name], elapsed[name], work) for name in chosen}
     base, other = chosen[0], chosen[1]
     a, b = report[base]["ms_per_step"], report[other]["ms_per_step"]
     print("tok/s: " + ", ".join(f"{n} {report[n]['output_tok_s']:.1f}" for n in chosen))
