@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts
 
 setup: $(STAMP)
 
@@ -62,6 +62,18 @@ $(PEERS)/vllm/.installed:
 $(PEERS)/zlab/.installed:
 	test -x $(PEERS)/zlab/bin/python || $(PY) -m venv $(PEERS)/zlab
 	$(PEERS)/zlab/bin/pip install -q dflash==0.1.0 torch==2.13.0 transformers==5.24.0
+	touch $@
+
+# Drafter training prompts from GSM-Symbolic (bench/drafter/gsm_symbolic_prompts.py):
+# reasoning-gym and its dozen dependencies live in their own venv.
+GSM := build/gsm
+gsm-prompts: $(GSM)/.installed
+	PYTHONPATH=. $(GSM)/bin/python bench/drafter/gsm_symbolic_prompts.py \
+		--size 4000 --seed 0 --out bench/drafter/prompts_gsm_symbolic.jsonl.gz
+
+$(GSM)/.installed:
+	test -x $(GSM)/bin/python || $(PY) -m venv $(GSM)
+	$(GSM)/bin/pip install -q reasoning-gym==0.1.25
 	touch $@
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.

@@ -3,10 +3,13 @@ as responses (resumable, sharing one file with regenerated samples)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
+import pytest
 from transformers import AutoTokenizer
 
+from dflash_sglang.datasets import MATH_INSTRUCTION
 from dflash_sglang.training import data
 
 HELD_OUT = "Write a persuasive email to convince your introverted friend to volunteer as a guest"
@@ -42,3 +45,39 @@ def test_dataset_responses_are_the_replies_tokenized(models, tmp_path):
         data.dataset_responses(prompts, out, tokenizer=tok, max_new_tokens=3, max_prompt_tokens=64)
         == 0
     )  # resumed: nothing left to add
+
+
+def test_file_prompts_dedupe_decontaminate_and_name_bad_lines(tmp_path):
+    heldout = data.heldout_sets()["mt_bench"][0]
+    rows = [
+        {"text": "Tom has 3 apples. How many are left?", "source": "gsm_symbolic"},
+        {"text": "tom has 3 APPLES, how many are left"},  # the same words: a repeat
+        {"text": heldout},  # a held-out prompt never becomes training data
+        {"text": "A second problem."},
+    ]
+    path = tmp_path / "prompts_x.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    prompts = data.file_prompts(path, limit=10)
+    assert [(p.source, p.text) for p in prompts] == [
+        ("gsm_symbolic", rows[0]["text"]),
+        ("prompts_x", "A second problem."),
+    ]
+    assert prompts[0].id == data.prompt_id("gsm_symbolic", rows[0]["text"])
+    assert data.file_prompts(path, limit=1) == prompts[:1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        data.file_prompts(bad, limit=10)
+    bad.write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(ValueError, match="line 1: text and source must be strings"):
+        data.file_prompts(bad, limit=10)
+
+
+def test_decontamination_looks_past_the_shared_math_wrapper():
+    problem = "Seven ducks swim in the pond and then two of them fly away. How many are left?"
+    heldout = MATH_INSTRUCTION.format(problem=problem)
+    # Ends like the held-out problem, so with the wrapper it shared a 13-word run.
+    other = _prompt(MATH_INSTRUCTION.format(problem="Ann has 5 pens. How many are left?"))
+    copied = _prompt(MATH_INSTRUCTION.format(problem="Now: " + problem))
+    assert list(data.decontaminate([other, copied], [heldout])) == [other]

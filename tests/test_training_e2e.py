@@ -266,6 +266,14 @@ def test_bad_arguments_fail_with_the_flag(run, straight, tmp_path, capsys):
     assert "--prompt-set mt_bench has no replies" in capsys.readouterr().err
     assert main([*gen, "--all-turns"]) == 2
     assert "--all-turns" in capsys.readouterr().err
+    assert main([*gen, "--prompts-file", str(run["data"])]) == 2
+    assert "--prompts-file: replaces --prompt-set" in capsys.readouterr().err
+    assert main([*gen[:3], "--prompts-file", str(tmp_path / "none.jsonl")]) == 2
+    assert "--prompts-file" in (err := capsys.readouterr().err) and "no such file" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert main([*gen[:3], "--prompts-file", str(bad)]) == 2
+    assert "--prompts-file:" in (err := capsys.readouterr().err) and "line 1" in err
     assert _train(run, tmp_path, "--rope-theta", "-1") == 2
     assert "--rope-theta" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:

@@ -68,11 +68,22 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise CliError(f"--all-turns: --prompt-set {a.prompt_set} has single-turn prompts")
     if a.responses == "dataset" and a.prompt_set != "sharegpt":
         raise CliError(f"--responses dataset: --prompt-set {a.prompt_set} has no replies")
-    target = _target_path(a.target)
-    if a.prompt_set == "sharegpt":
+    if a.prompts_file and (a.prompt_set != "sharegpt" or a.all_turns or a.responses != "target"):
+        raise CliError(
+            "--prompts-file: replaces --prompt-set/--all-turns; needs --responses target"
+        )
+    if a.prompts_file:
+        try:
+            prompts = data.file_prompts(
+                _existing_file("--prompts-file", a.prompts_file), a.num_prompts
+            )
+        except (ValueError, OSError) as e:
+            raise CliError(f"--prompts-file: {e}") from e
+    elif a.prompt_set == "sharegpt":
         prompts = data.training_prompts(a.num_prompts, a.all_turns)
     else:
         prompts = data.heldout_prompts(a.prompt_set, a.num_prompts)
+    target = _target_path(a.target)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -453,6 +464,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--all-turns",
         action="store_true",
         help="ShareGPT: every human turn, not only the first (after all first turns)",
+    )
+    g.add_argument(
+        "--prompts-file",
+        help='training prompts from this JSONL(.gz) of {"text", "source"} lines instead of '
+        "ShareGPT (held-out sets removed)",
     )
     g.set_defaults(func=cmd_generate)
 

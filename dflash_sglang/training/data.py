@@ -7,6 +7,7 @@ sample per line, appended as batches finish: an interrupted run resumes where it
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -44,7 +45,23 @@ def heldout_sets() -> dict[str, list[str]]:
     }
 
 
+# The fixed text of the held-out sets' prompt wrappers. Training prompts in the same format
+# (math problems) share it by design: 12 words of the math one, so any problem ending in the
+# same word as a held-out one shared a 13-word run. N-grams are taken without it.
+_WRAPPERS = [
+    part
+    for template, field in (
+        (datasets.MATH_INSTRUCTION, "problem"),
+        (datasets.HUMANEVAL_INSTRUCTION, "prompt"),
+    )
+    for part in template.format(**{field: "\0"}).split("\0")
+    if part.strip()
+]
+
+
 def _ngrams(text: str) -> set[int]:
+    for wrapper in _WRAPPERS:
+        text = text.replace(wrapper, " ")
     words = re.findall(r"\w+", text.lower())
     return {hash(tuple(words[i : i + NGRAM])) for i in range(max(0, len(words) - NGRAM + 1))}
 
@@ -66,18 +83,48 @@ def decontaminate(prompts: Iterable[Prompt], heldout: Iterable[str]) -> Iterator
 def training_prompts(limit: int, all_turns: bool = False) -> list[Prompt]:
     """ShareGPT first turns (or every human turn), deduplicated and decontaminated against
     every held-out set. First turns come first, so a run that grows keeps its samples."""
-    heldout = [t for texts in heldout_sets().values() for t in texts]
-    seen: set[str] = set()
-    unique = []
     pairs = datasets.sharegpt_pairs()
     if all_turns:
         pairs += datasets.sharegpt_pairs(all_turns=True)
-    for text, reply in pairs:
-        key = _normal(text)
+    prompts = (Prompt(prompt_id("sharegpt", t), "sharegpt", t, reply) for t, reply in pairs)
+    return _clean(prompts, limit)
+
+
+def _clean(prompts: Iterable[Prompt], limit: int) -> list[Prompt]:
+    """The first `limit` prompts left after dropping repeats (same words, any case) and
+    prompts contaminated with any held-out set."""
+    seen: set[str] = set()
+    unique = []
+    for p in prompts:
+        key = _normal(p.text)
         if key and key not in seen:
             seen.add(key)
-            unique.append(Prompt(prompt_id("sharegpt", text), "sharegpt", text, reply))
+            unique.append(p)
+    heldout = [t for texts in heldout_sets().values() for t in texts]
     return list(decontaminate(unique, heldout))[:limit]
+
+
+def file_prompts(path: Path, limit: int) -> list[Prompt]:
+    """Prompts from a JSONL file (gzipped if it ends in .gz), one `{"text": ..., "source":
+    ...}` per line (`source` defaults to the file's name), deduplicated and decontaminated
+    against every held-out set as ShareGPT's are: for data made outside the repo (e.g.
+    `bench/drafter/gsm_symbolic_prompts.py`). A bad line raises naming its number."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    default_source = path.name.split(".")[0]
+    prompts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text, source = row["text"], row.get("source", default_source)
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f'{path} line {number}: not a {{"text": ...}} object ({e})') from e
+            if not isinstance(text, str) or not isinstance(source, str):
+                raise ValueError(f"{path} line {number}: text and source must be strings")
+            prompts.append(Prompt(prompt_id(source, text), source, text))
+    return _clean(prompts, limit)
 
 
 def heldout_prompts(name: str, limit: int) -> list[Prompt]:
