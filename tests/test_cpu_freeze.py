@@ -28,6 +28,11 @@ def _sglang(*_args, **_kwargs) -> str:
     return "sglang"
 
 
+packable = pytest.mark.skipif(
+    not compiled.bf16_packable(), reason="no oneDNN bf16 on this CPU (AVX-512 or AVX-NE-CONVERT)"
+)
+
+
 def test_freeze_follows_the_flag(monkeypatch):
     # `config.patch` restores the setting; monkeypatch would delete it (not in __dict__).
     with torch._inductor.config.patch(freezing=False):
@@ -42,6 +47,7 @@ def test_freeze_follows_the_flag(monkeypatch):
         assert "--dflash-cpu-freeze off" in model._derived_weight_cache_error
 
 
+@packable
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_the_packed_lm_head_is_the_plain_matmul_to_the_bit(rows):
     model = SimpleNamespace(lm_head=_head())
@@ -55,6 +61,7 @@ def test_the_packed_lm_head_is_the_plain_matmul_to_the_bit(rows):
     assert torch.equal(got, hidden @ model.lm_head.weight.T)
 
 
+@packable
 def test_heads_and_cases_it_does_not_cover_stay_sglangs():
     fp32 = SimpleNamespace(lm_head=_head(torch.float32))
     assert not compiled.pack_lm_head(fp32)  # MKL's sgemm: rounding differs by row count
@@ -76,6 +83,7 @@ def test_heads_and_cases_it_does_not_cover_stay_sglangs():
     assert compiled._packed_lm_head(_sglang, on_policy, hidden, head) == "sglang"
 
 
+@packable
 def test_a_packed_linear_computes_what_it_did():
     linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
@@ -96,6 +104,30 @@ def test_linears_it_does_not_cover_stay_as_they_are():
     assert fp32.forward == forward
     assert not compiled.pack_linear(None)
     assert not compiled.pack_linear(torch.nn.Identity())
+
+
+def test_without_onednn_bf16_nothing_is_packed_and_the_log_says_so(monkeypatch):
+    # oneDNN's bf16 reorder raises on such a CPU (AVX2 only): the server must still start.
+    monkeypatch.setattr(compiled, "bf16_packable", lambda: False)
+    monkeypatch.setenv(FREEZE_ENV, "on")
+    model = SimpleNamespace(lm_head=_head())
+    assert not compiled.pack_lm_head(model)
+    assert not hasattr(model.lm_head, "dflash_packed_weight")
+    linear = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    forward = linear.forward
+    assert not compiled.pack_linear(linear)
+    assert linear.forward == forward
+
+    def pack() -> bool:
+        raise AssertionError("packed without oneDNN bf16")
+
+    with torch._inductor.config.patch(freezing=False):
+        said = compiled._freeze_and_pack(linear, "fc", pack)
+        assert torch._inductor.config.freezing
+    assert said == ", weights frozen, not prepacked (no oneDNN bf16 on this CPU)"
+    with torch._inductor.config.patch(freezing=False):
+        fp32 = torch.nn.Linear(8, 8)
+        assert compiled._freeze_and_pack(fp32, "fc", lambda: False) == ", weights prepacked"
 
 
 class _Scaled(torch.nn.Module):

@@ -82,10 +82,14 @@ def test_bf16_divergence_is_rounding(models, bf16_servers, tmp_path_factory):
 def test_bf16_weights_are_prepacked(bf16_servers):
     """`--dflash-cpu-freeze on` (the default): in bf16 the compiled layers, the LM head and
     the drafter's feature projection all run on prepacked weights (the test above checks
-    what they compute)."""
+    what they compute); on a CPU without oneDNN bf16 the weights are frozen, not packed."""
+    from dflash_sglang.cpu_platform.compiled import bf16_packable
+
     ar, dx = bf16_servers
-    assert "weights prepacked, LM head prepacked" in ar.log_path.read_text()
+    packed = bf16_packable()
+    target = "weights prepacked, LM head prepacked" if packed else "frozen, not prepacked"
+    assert target in ar.log_path.read_text()
     draft_line = next(
         line for line in dx.log_path.read_text().splitlines() if "Draft block forward" in line
     )
-    assert "weights prepacked, fc prepacked" in draft_line
+    assert ("weights prepacked, fc prepacked" if packed else "frozen, not prepacked") in draft_line

@@ -172,11 +172,21 @@ def freeze(model: torch.nn.Module) -> bool:
     return True
 
 
+def bf16_packable() -> bool:
+    """Whether oneDNN runs bf16 linears on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
+    Without it `_reorder_linear_weight` raises on a bf16 weight, and inductor's freezing
+    leaves bf16 linears unpacked."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _freeze_and_pack(model: torch.nn.Module, part: str, pack) -> str:
     """`freeze(model)`, and when frozen `pack()` its eager `part` too; what was done, as the
     compile log says it."""
     if not freeze(model):
         return ""
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.bfloat16 and not bf16_packable():
+        return ", weights frozen, not prepacked (no oneDNN bf16 on this CPU)"
     return ", weights prepacked" + (f", {part} prepacked" if pack() else "")
 
 
@@ -196,7 +206,11 @@ def pack_linear(linear: torch.nn.Module | None) -> bool:
     """Prepack an eager bf16 `nn.Linear` outside the compiled graphs (the drafter's `fc`,
     which projects the target's features for KV injection every step: at one row 0.7 ms
     of the 1.2 ms injection took in a py-spy sample of a plain-width step)."""
-    if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.bfloat16:
+    if (
+        type(linear) is not torch.nn.Linear
+        or linear.weight.dtype != torch.bfloat16
+        or not bf16_packable()
+    ):
         return False
     packed, bias = _prepacked(linear.weight), linear.bias
     linear.forward = functools.partial(_packed_linear, packed=packed, bias=bias)
@@ -219,6 +233,7 @@ def pack_lm_head(model: torch.nn.Module) -> bool:
         or type(getattr(head, "quant_method", None)) is not UnquantizedEmbeddingMethod
         or getattr(head, "bias", None) is not None
         or weight.dtype != torch.bfloat16
+        or not bf16_packable()
     ):
         return False
     head.dflash_packed_weight = _prepacked(weight)
