@@ -509,6 +509,9 @@ def test_fuzzed_requests_never_get_a_5xx(keyed):
     print("fuzz status codes:", dict(seen))
 
 
+DRAIN_LIMIT_S = 300  # deploy/k8s/replicas.yaml's terminationGracePeriodSeconds
+
+
 @pytest.mark.server
 def test_sigterm_during_streaming_ends_cleanly(keyed):
     """Runs last: in-flight streams end (finished or closed), the tree exits in bounded time."""
@@ -533,15 +536,20 @@ def test_sigterm_during_streaming_ends_cleanly(keyed):
         time.sleep(0.1)
     start = time.monotonic()
     keyed.proc.send_signal(signal.SIGTERM)
+    # The drain lasts as long as the streams' remaining tokens take on this machine (SGLang
+    # waits for every request, 25 s on AVX-512 machines, 104 s on an AVX2-only one):
+    # bounded by Kubernetes' grace period in deploy/, not by a timing assert here.
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=max(1.0, start + DRAIN_LIMIT_S - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a stream hung after SIGTERM"
-    keyed.proc.wait(timeout=60)
-    took = time.monotonic() - start
+    drained = time.monotonic()
+    keyed.proc.wait(timeout=60)  # once drained, the tree goes in bounded time
+    took, exit_after_drain = time.monotonic() - start, time.monotonic() - drained
     time.sleep(1)
     assert not _alive(tree)
-    assert took < 60
+    assert exit_after_drain < 60
     done = sum("data: [DONE]" in c for c in chunks)
-    print(f"SIGTERM: tree gone in {took:.1f}s; {done} of {len(chunks)} streams finished")
+    print(f"SIGTERM: tree gone in {took:.1f}s ({exit_after_drain:.1f}s after the drain); "
+          f"{done} of {len(chunks)} streams finished")  # fmt: skip
     for c in chunks:  # each stream either finished or ended; never a half-written line
         assert c[-1] in ("data: [DONE]", "") or c[-1].startswith(("closed:", "data: {")), c[-3:]
