@@ -17,13 +17,15 @@ from dflash_sglang.kernels.cpu_build import SOURCES, try_build
 logger = logging.getLogger(__name__)
 
 SOURCE = SOURCES / "paged_attention.cpp"
+# What the source's `#if` demands (`-march=native` enables exactly the CPU's own flags).
+NEEDS = frozenset({"avx512f", "avx512bw"})
 
 
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled module, or None (logged) when it cannot be built here."""
     logger.info("Loading the CPU paged attention kernel (the first build takes ~30 s)")
-    return try_build(SOURCE, "dflash_cpu_paged_attention", "using the torch path")
+    return try_build(SOURCE, "dflash_cpu_paged_attention", "using the torch path", NEEDS)
 
 
 def available() -> bool:

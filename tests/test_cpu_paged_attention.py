@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from dflash_sglang.kernels import cpu_attention
+from dflash_sglang.kernels import cpu_attention, cpu_build
 
-HAS_AVX512 = {"avx512f", "avx512bw"} <= set(
-    next(
-        (
-            line.split(":")[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ),
-        [],
-    )
-)
+HAS_AVX512 = cpu_attention.NEEDS <= cpu_build.cpu_flags()
 pytestmark = pytest.mark.skipif(not HAS_AVX512, reason="the kernel is AVX-512 only")
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
