@@ -76,14 +76,14 @@ def _batches(text: str) -> list[int]:
     return [parse(part) for part in text.split(",")]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", type=_batches, default="1,4,16", help="requests a step, comma list")
     ap.add_argument("--steps", type=at_least("--steps", 1), default=3000)
     ap.add_argument("--draft-every", type=at_least("--draft-every", 0), default=10)
     ap.add_argument("--reply", type=at_least("--reply", 1), default=40)
     ap.add_argument("--out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = [run(bs, args.steps, args.draft_every, args.reply) for bs in args.batch]
     for row in rows:
