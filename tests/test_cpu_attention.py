@@ -567,3 +567,14 @@ def test_register_is_idempotent() -> None:
     # Draft only: the split pass is the DFlash block's, not a target backend.
     assert "dflash_flashinfer" not in choices.ATTENTION_BACKEND_CHOICES
     assert choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("dflash_flashinfer") == 1
+
+
+def test_a_source_needing_an_instruction_set_the_cpu_lacks_is_not_compiled(monkeypatch, caplog):
+    """Skipped from the CPU's flags, before the compiler runs (~40 s to reach the `#error`)."""
+    from dflash_sglang.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "build", lambda *a: pytest.fail("compiled anyway"))
+    source = cpu_build.SOURCES / "paged_attention.cpp"
+    needs = frozenset({"no_such_isa"})
+    assert cpu_build.try_build(source, "probe", "using the torch path", needs) is None
+    assert "probe not built (this CPU lacks no_such_isa); using the torch path" in caplog.text
