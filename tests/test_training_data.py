@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -81,3 +82,21 @@ def test_decontamination_looks_past_the_shared_math_wrapper():
     other = _prompt(MATH_INSTRUCTION.format(problem="Ann has 5 pens. How many are left?"))
     copied = _prompt(MATH_INSTRUCTION.format(problem="Now: " + problem))
     assert list(data.decontaminate([other, copied], [heldout])) == [other]
+
+
+def test_committed_samples_are_distinct_and_their_math_prompts_clean():
+    """The repo's regenerated samples are trained on together: one id twice would weigh a
+    prompt double, and a math prompt outside the cleaned prompts file could be held-out."""
+    root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
+    ids: list[str] = []
+    math_ids: set[str] = set()
+    for path in sorted(root.glob("data*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                ids.append(row["id"])
+                if row["source"] == "gsm_symbolic":
+                    math_ids.add(row["id"])
+    assert len(ids) == len(set(ids)) > 25_000
+    prompts = data.file_prompts(root / "prompts_gsm_symbolic.jsonl.gz", limit=10**6)
+    assert math_ids <= {p.id for p in prompts}
