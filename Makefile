@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts code-prompts
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ $(GSM)/.installed:
 	test -x $(GSM)/bin/python || $(PY) -m venv $(GSM)
 	$(GSM)/bin/pip install -q reasoning-gym==0.1.25
 	touch $@
+
+# Drafter training prompts from the CPython standard library's documented functions
+# (bench/drafter/code_prompts.py); the committed file was made with Python 3.11.7's.
+code-prompts: setup
+	$(BIN)/python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup

@@ -1,0 +1,114 @@
+"""Python functions for drafter training, from the CPython standard library.
+
+The held-out HumanEval set asks the target to complete a function from its signature and
+docstring; ShareGPT has little of that, and no code set ships in a package
+(`../shared/research/models_data.md`). The standard library has thousands of documented
+public functions: each becomes a prompt in the HumanEval format
+(`datasets.HUMANEVAL_INSTRUCTION`), its signature and docstring with the body removed.
+`generate --prompts-file` drops any that overlap a held-out set and regenerates the
+target's replies. Shuffled with a fixed seed, so a generation stopped early still spans
+the library rather than its first modules.
+
+    python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import gzip
+import json
+import random
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from dflash_sglang.datasets import HUMANEVAL_INSTRUCTION
+
+# Tests, demos, vendored installers and Python 2 fixtures are not the code HumanEval asks for.
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages"}
+MIN_DOC_CHARS = 40  # a one-line "Return x." says too little to write the function from
+MIN_BODY = 2  # statements besides the docstring: a real function, not a stub or alias
+
+
+def stub(fn: ast.FunctionDef) -> str | None:
+    """`def` line and docstring of a documented public function, or None if it is not one;
+    the docstring indented as the body would be, whatever its source indentation was."""
+    doc = ast.get_docstring(fn)  # cleaned: common indentation removed
+    if fn.name.startswith("_") or not doc or len(doc) < MIN_DOC_CHARS:
+        return None
+    if len(fn.body) - 1 < MIN_BODY:
+        return None
+    lines = doc.splitlines()
+    if len(lines) > 1:
+        doc = "\n".join([lines[0]] + [f"    {ln}" if ln else "" for ln in lines[1:]] + ["    "])
+    head = copy.copy(fn)
+    head.body, head.decorator_list = [ast.Expr(ast.Constant(doc))], []
+    return ast.unparse(head) + "\n"
+
+
+def method_stub(cls: ast.ClassDef, fn: ast.FunctionDef) -> str | None:
+    """A documented public method, inside its class line so `self` has a meaning."""
+    text = stub(fn)
+    if cls.name.startswith("_") or text is None:
+        return None
+    return f"class {cls.name}:\n" + "".join(
+        f"    {ln}" if ln.strip() else ln for ln in text.splitlines(True)
+    )
+
+
+def stubs(root: Path) -> Iterator[tuple[str, str]]:
+    """(module path, stub) for every documented top-level function and method under `root`."""
+    for path in sorted(root.rglob("*.py")):
+        if _SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a fixture in another Python's syntax or encoding
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and (text := stub(node)):
+                yield str(path.relative_to(root)), text
+            elif isinstance(node, ast.ClassDef):
+                for fn in node.body:
+                    if isinstance(fn, ast.FunctionDef) and (text := method_stub(node, fn)):
+                        yield str(path.relative_to(root)), text
+
+
+def prompts(root: Path, seed: int) -> list[dict]:
+    seen: set[str] = set()
+    rows = []
+    for _, text in stubs(root):
+        if text not in seen:
+            seen.add(text)
+            rows.append(
+                {"text": HUMANEVAL_INSTRUCTION.format(prompt=text), "source": "stdlib_code"}
+            )
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="library root")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="JSONL.gz to write")
+    a = p.parse_args(argv)
+    root = Path(a.stdlib)
+    if not root.is_dir():
+        p.error(f"--stdlib {root} is not a directory")
+    rows = prompts(root, a.seed)
+    # mtime=0: the same library and arguments give the same bytes.
+    with gzip.GzipFile(a.out, "wb", mtime=0) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    print(
+        f"{len(rows)} functions from {root} (Python {sys.version.split()[0]}) -> {a.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
