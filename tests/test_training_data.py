@@ -86,17 +86,19 @@ def test_decontamination_looks_past_the_shared_math_wrapper():
 
 def test_committed_samples_are_distinct_and_their_math_prompts_clean():
     """The repo's regenerated samples are trained on together: one id twice would weigh a
-    prompt double, and a math prompt outside the cleaned prompts file could be held-out."""
+    prompt double, and a math or code prompt outside its cleaned prompts file could be
+    held-out."""
     root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
     ids: list[str] = []
-    math_ids: set[str] = set()
+    by_file = {"gsm_symbolic": "prompts_gsm_symbolic", "stdlib_code": "prompts_stdlib_code"}
+    file_ids: dict[str, set[str]] = {source: set() for source in by_file}
     for path in sorted(root.glob("data*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
             for line in f:
                 row = json.loads(line)
                 ids.append(row["id"])
-                if row["source"] == "gsm_symbolic":
-                    math_ids.add(row["id"])
-    assert len(ids) == len(set(ids)) > 25_000
-    prompts = data.file_prompts(root / "prompts_gsm_symbolic.jsonl.gz", limit=10**6)
-    assert math_ids <= {p.id for p in prompts}
+                file_ids.get(row["source"], set()).add(row["id"])
+    assert len(ids) == len(set(ids)) > 29_000
+    for source, name in by_file.items():
+        prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
+        assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
