@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from dflash_sglang.datasets import HUMANEVAL_INSTRUCTION
 from dflash_sglang.training import data
 
@@ -84,3 +86,13 @@ def test_committed_code_prompts_are_clean_and_distinct():
     assert len(rows) == len({r["text"] for r in rows}) > 2000
     kept = data.file_prompts(path, limit=10**6)
     assert len(kept) > 0.99 * len(rows)  # decontamination drops next to nothing
+
+
+def test_a_missing_library_fails_naming_the_flag(tmp_path, capsys):
+    out = tmp_path / "prompts.jsonl.gz"
+    with pytest.raises(SystemExit) as exit_:
+        code_prompts.main(["--stdlib", str(tmp_path / "nowhere"), "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--stdlib" in err and "is not a directory" in err
+    assert not out.exists()  # nothing written

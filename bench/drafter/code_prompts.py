@@ -59,8 +59,8 @@ def method_stub(cls: ast.ClassDef, fn: ast.FunctionDef) -> str | None:
     )
 
 
-def stubs(root: Path) -> Iterator[tuple[str, str]]:
-    """(module path, stub) for every documented top-level function and method under `root`."""
+def stubs(root: Path) -> Iterator[str]:
+    """The stub of every documented top-level function and method under `root`."""
     for path in sorted(root.rglob("*.py")):
         if _SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
             continue
@@ -70,17 +70,17 @@ def stubs(root: Path) -> Iterator[tuple[str, str]]:
             continue  # a fixture in another Python's syntax or encoding
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and (text := stub(node)):
-                yield str(path.relative_to(root)), text
+                yield text
             elif isinstance(node, ast.ClassDef):
                 for fn in node.body:
                     if isinstance(fn, ast.FunctionDef) and (text := method_stub(node, fn)):
-                        yield str(path.relative_to(root)), text
+                        yield text
 
 
 def prompts(root: Path, seed: int) -> list[dict]:
     seen: set[str] = set()
     rows = []
-    for _, text in stubs(root):
+    for text in stubs(root):
         if text not in seen:
             seen.add(text)
             rows.append(
