@@ -75,6 +75,61 @@ def test_file_prompts_dedupe_decontaminate_and_name_bad_lines(tmp_path):
         data.file_prompts(bad, limit=10)
 
 
+def _samples(prefix: str, n: int) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "prompt_ids": [1], "response_ids": [i]} for i in range(n)]
+
+
+def test_mix_draws_like_random_sample_and_refuses_repeats():
+    import random
+
+    a, b, c = _samples("a", 5), _samples("b", 20), _samples("c", 30)
+    rows = data.mix([(a, None), (b, 4), (c, 6)], seed=7)
+    random.seed(7)  # the recipe's old inline scripts: sample in order, then shuffle
+    expected = a + random.sample(b, 4) + random.sample(c, 6)
+    random.shuffle(expected)
+    assert rows == expected and len(rows) == 15
+    assert data.mix([(a, None), (b, 4)], seed=7, shuffle=False)[:5] == a
+    assert data.mix([(b, 4)], seed=8) != data.mix([(b, 4)], seed=7)
+    with pytest.raises(ValueError, match="id a1 twice"):
+        data.mix([(a, None), (a[1:2], None)], seed=0)
+    with pytest.raises(ValueError, match="6 samples asked of a group of 5"):
+        data.mix([(a, 6)], seed=0)
+    assert a == _samples("a", 5)  # the caller's lists are not touched
+
+
+def test_mix_from_the_cli_rebuilds_the_same_bytes(tmp_path, capsys):
+    from dflash_sglang.training.__main__ import main
+
+    files = []
+    for name, n in (("x.jsonl.gz", 6), ("y.jsonl", 8), ("z.jsonl", 9)):
+        path = tmp_path / name
+        text = "".join(json.dumps(r) + "\n" for r in _samples(name[0], n))
+        path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+        files.append(str(path))
+    args = [files[0], f"{files[1]},{files[2]}:10", "--seed", "3"]
+    assert main(["mix", *args, "--out", str(tmp_path / "m1.jsonl")]) == 0
+    assert main(["mix", *args, "--out", str(tmp_path / "m2.jsonl")]) == 0
+    m1 = (tmp_path / "m1.jsonl").read_bytes()
+    assert m1 == (tmp_path / "m2.jsonl").read_bytes()
+    rows = data.read_samples(tmp_path / "m1.jsonl")
+    assert len(rows) == 16 and sum(r["id"].startswith("x") for r in rows) == 6
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"text": "a prompt"}) + "\n")
+    (tmp_path / "torn.jsonl").write_text('{"id": "t0", "prompt_ids": [1]}\n{"id": "t1", "pro\n')
+    for bad, message in (
+        ([f"{files[0]}:0"], "N after ':' must be a positive integer"),
+        ([f"{files[0]}:7"], "7 samples asked of a group of 6"),
+        ([files[0], files[0]], "id x0 twice"),
+        ([str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
+        ([str(tmp_path / "prompts.jsonl")], "a sample without an id"),
+        ([str(tmp_path / "torn.jsonl")], "torn.jsonl: line 2 is not JSON"),
+    ):
+        assert main(["mix", *bad, "--seed", "1", "--out", str(tmp_path / "bad.jsonl")]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad.jsonl").exists()  # nothing written on an error
+    assert main(["mix", files[0], "--seed", "1", "--out", str(tmp_path / "no" / "m.jsonl")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
 def test_decontamination_looks_past_the_shared_math_wrapper():
     problem = "Seven ducks swim in the pond and then two of them fly away. How many are left?"
     heldout = MATH_INSTRUCTION.format(problem=problem)

@@ -1,6 +1,7 @@
-"""`python -m dflash_sglang.training generate | features | train | evaluate | export`.
+"""`python -m dflash_sglang.training generate | mix | features | train | evaluate | export`.
 
 generate  real prompts -> target responses through an SGLang server (JSONL, resumable)
+mix       a training set from generated files: some whole, some sampled, reproducible
 features  target layer outputs for every sample, cached once (resumable shards)
 train     the drafter on cached features (resumable checkpoints, progress bar)
 evaluate  τ and the acceptance histogram on held-out sets with the reference loop
@@ -404,6 +405,37 @@ def cmd_yardstick(a: argparse.Namespace) -> None:
     print(text)
 
 
+def _mix_group(spec: str) -> tuple[list[dict], int | None]:
+    """`PATH[,PATH...][:N]`: those files' samples in that order, all or N drawn."""
+    from dflash_sglang.training import data
+
+    paths, _, count = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if count and not (count.isdigit() and int(count) >= 1):
+        raise CliError(f"mix {spec}: N after ':' must be a positive integer")
+    samples = []
+    for path in paths.split(","):
+        try:
+            samples += data.read_samples(_existing_file("mix", path))
+        except ValueError as e:  # a line that is not JSON
+            raise CliError(f"mix {path}: {e}") from None
+    return samples, int(count) if count else None
+
+
+def cmd_mix(a: argparse.Namespace) -> None:
+    from dflash_sglang.training import data
+
+    if not Path(a.out).parent.is_dir():
+        raise CliError(f"--out {a.out}: its directory does not exist")
+    groups = [_mix_group(spec) for spec in a.groups]
+    try:
+        rows = data.mix(groups, a.seed, shuffle=not a.keep_order)
+    except ValueError as e:
+        raise CliError(f"mix: {e}") from None
+    with open(a.out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"{len(rows)} samples to {a.out}")
+
+
 def cmd_export(a: argparse.Namespace) -> None:
     import torch
 
@@ -471,6 +503,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "ShareGPT (held-out sets removed)",
     )
     g.set_defaults(func=cmd_generate)
+
+
+def _add_mix(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("mix", help="a training set from generated files, reproducible")
+    m.add_argument(
+        "groups",
+        nargs="+",
+        metavar="PATH[,PATH...][:N]",
+        help="JSONL(.gz) sample files; a group's files are read in order, all kept or N drawn",
+    )
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, required=True, help="one RNG for every draw and the shuffle")
+    m.add_argument("--keep-order", action="store_true", help="no final shuffle")
+    m.set_defaults(func=cmd_mix)
 
 
 def _add_features(sub: argparse._SubParsersAction) -> None:
@@ -601,6 +647,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for add in (
         _add_generate,
+        _add_mix,
         _add_features,
         _add_train,
         _add_evaluate,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -254,7 +255,42 @@ def _repair_tail(path: Path) -> None:
 
 
 def read_samples(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A JSONL file of samples, gzipped (the committed `bench/drafter/*.jsonl.gz`) or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    samples = []
+    with opener(path, "rt") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                samples += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+    return samples
+
+
+def mix(groups: list[tuple[list[dict], int | None]], seed: int, shuffle: bool = True) -> list[dict]:
+    """Training rows: each group whole (n None) or n of its samples drawn without replacement.
+
+    One `random.Random(seed)` makes every draw in the groups' order, then the shuffle, so a mix
+    is rebuilt bit-exactly from its command line (the same draws as `random.seed(seed)` and
+    `random.sample` in that order). A sample id twice is an error: it would weigh one sample
+    double without anyone asking for it.
+    """
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for samples, n in groups:
+        if n is not None and n > len(samples):
+            raise ValueError(f"{n} samples asked of a group of {len(samples)}")
+        rows += samples if n is None else rng.sample(samples, n)
+    seen: set[str] = set()
+    for row in rows:
+        if "id" not in row:
+            raise ValueError("a sample without an id (not a `generate` file?)")
+        if row["id"] in seen:
+            raise ValueError(f"sample id {row['id']} twice in the mix")
+        seen.add(row["id"])
+    if shuffle:
+        rng.shuffle(rows)
+    return rows
 
 
 class Throughput:
