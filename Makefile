@@ -80,6 +80,8 @@ $(GSM)/.installed:
 # (bench/drafter/code_prompts.py); the committed file was made with Python 3.11.7's.
 code-prompts: setup
 	$(BIN)/python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
+	$(BIN)/python bench/drafter/code_prompts.py --max-chars 1500 --out bench/drafter/prompts_package_code.jsonl.gz \
+	  --packages sympy,scipy,networkx,numpy,mpmath,click,jinja2,sortedcontainers
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup

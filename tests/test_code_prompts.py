@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jinja2
 import pytest
 
 from dflash_sglang.datasets import HUMANEVAL_INSTRUCTION
@@ -61,7 +62,7 @@ def test_documented_functions_and_methods_become_humaneval_prompts(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_lib.py").write_text(LIBRARY)  # tests are skipped
     (tmp_path / "py2.py").write_text("print 'python 2'\n")  # unparseable: skipped
-    rows = code_prompts.prompts(tmp_path, seed=0)
+    rows = code_prompts.prompts([tmp_path], seed=0)
     texts = sorted(r["text"] for r in rows)
     assert {r["source"] for r in rows} == {"stdlib_code"}
     function = (
@@ -76,14 +77,27 @@ def test_documented_functions_and_methods_become_humaneval_prompts(tmp_path):
         '        """Fill the box with the given items and return how many fit."""\n'
     )
     assert texts == sorted(HUMANEVAL_INSTRUCTION.format(prompt=p) for p in (function, method))
-    assert code_prompts.prompts(tmp_path, seed=0) == rows  # same library, same order
+    assert code_prompts.prompts([tmp_path], seed=0) == rows  # same library, same order
 
 
-def test_committed_code_prompts_are_clean_and_distinct():
-    path = ROOT / "bench" / "drafter" / "prompts_stdlib_code.jsonl.gz"
+def test_packages_are_read_by_import_name_and_long_stubs_left_out(tmp_path):
+    (tmp_path / "lib.py").write_text(LIBRARY)
+    rows = code_prompts.prompts([tmp_path, tmp_path], seed=0, source="package_code")
+    assert len(rows) == 2 and {r["source"] for r in rows} == {"package_code"}  # deduplicated
+    short = code_prompts.prompts([tmp_path], seed=0, max_chars=120)
+    assert [r["text"] for r in short] == [r["text"] for r in rows if "class Box" in r["text"]]
+    assert code_prompts.package_root("jinja2") == Path(jinja2.__file__).parent
+    assert code_prompts.package_root("json.nowhere") is None
+    assert code_prompts.package_root("no_such_package_here") is None
+
+
+@pytest.mark.parametrize(("name", "least"), [("stdlib", 2000), ("package", 5000)])
+def test_committed_code_prompts_are_clean_and_distinct(name, least):
+    path = ROOT / "bench" / "drafter" / f"prompts_{name}_code.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
-    assert len(rows) == len({r["text"] for r in rows}) > 2000
+    assert len(rows) == len({r["text"] for r in rows}) > least
+    assert {r["source"] for r in rows} == {f"{name}_code"}
     kept = data.file_prompts(path, limit=10**6)
     assert len(kept) > 0.99 * len(rows)  # decontamination drops next to nothing
 
@@ -95,4 +109,7 @@ def test_a_missing_library_fails_naming_the_flag(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--stdlib" in err and "is not a directory" in err
+    with pytest.raises(SystemExit):
+        code_prompts.main(["--packages", "jinja2,no_such_package_here", "--out", str(out)])
+    assert "--packages no_such_package_here: not an installed package" in capsys.readouterr().err
     assert not out.exists()  # nothing written

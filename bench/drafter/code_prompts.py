@@ -1,4 +1,4 @@
-"""Python functions for drafter training, from the CPython standard library.
+"""Python functions for drafter training, from the CPython standard library or packages.
 
 The held-out HumanEval set asks the target to complete a function from its signature and
 docstring; ShareGPT has little of that, and no code set ships in a package
@@ -10,6 +10,12 @@ target's replies. Shuffled with a fixed seed, so a generation stopped early stil
 the library rather than its first modules.
 
     python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
+    python bench/drafter/code_prompts.py --packages sympy,scipy,networkx --max-chars 1500 \
+        --out bench/drafter/prompts_package_code.jsonl.gz
+
+Packages (installed ones, by import name; their lock-pinned versions give the same bytes)
+document with numpy-style sections that can run to pages: `--max-chars` keeps the stubs a
+prompt can hold whole, since `generate` cuts an over-long prompt from its end.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import ast
 import copy
 import gzip
+import importlib.util
 import json
 import random
 import sys
@@ -77,29 +84,51 @@ def stubs(root: Path) -> Iterator[str]:
                         yield text
 
 
-def prompts(root: Path, seed: int) -> list[dict]:
+def prompts(
+    roots: list[Path], seed: int, source: str = "stdlib_code", max_chars: int | None = None
+) -> list[dict]:
     seen: set[str] = set()
     rows = []
-    for text in stubs(root):
-        if text not in seen:
+    for text in (t for root in roots for t in stubs(root)):
+        if text not in seen and (max_chars is None or len(text) <= max_chars):
             seen.add(text)
-            rows.append(
-                {"text": HUMANEVAL_INSTRUCTION.format(prompt=text), "source": "stdlib_code"}
-            )
+            rows.append({"text": HUMANEVAL_INSTRUCTION.format(prompt=text), "source": source})
     random.Random(seed).shuffle(rows)
     return rows
+
+
+def package_root(name: str) -> Path | None:
+    """An installed package's directory, or None (not installed, or a single module)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or ""
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="library root")
+    p.add_argument("--packages", help="comma list of installed packages instead of the stdlib")
+    p.add_argument("--max-chars", type=int, help="longest stub kept (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSONL.gz to write")
     a = p.parse_args(argv)
-    root = Path(a.stdlib)
-    if not root.is_dir():
-        p.error(f"--stdlib {root} is not a directory")
-    rows = prompts(root, a.seed)
+    if a.max_chars is not None and a.max_chars < 1:
+        p.error(f"--max-chars must be >= 1, got {a.max_chars}")
+    if a.packages:
+        names = a.packages.split(",")
+        if missing := [n for n in names if package_root(n) is None]:
+            p.error(f"--packages {','.join(missing)}: not an installed package")
+        roots = [package_root(n) for n in names]
+        source, root = "package_code", a.packages
+    else:
+        roots, source, root = [Path(a.stdlib)], "stdlib_code", a.stdlib
+        if not roots[0].is_dir():
+            p.error(f"--stdlib {root} is not a directory")
+    rows = prompts(roots, a.seed, source, a.max_chars)
     # mtime=0: the same library and arguments give the same bytes.
     with gzip.GzipFile(a.out, "wb", mtime=0) as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
