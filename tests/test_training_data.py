@@ -145,7 +145,11 @@ def test_committed_samples_are_distinct_and_their_math_prompts_clean():
     held-out."""
     root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
     ids: list[str] = []
-    by_file = {"gsm_symbolic": "prompts_gsm_symbolic", "stdlib_code": "prompts_stdlib_code"}
+    by_file = {
+        "gsm_symbolic": "prompts_gsm_symbolic",
+        "stdlib_code": "prompts_stdlib_code",
+        "package_code": "prompts_package_code",
+    }
     file_ids: dict[str, set[str]] = {source: set() for source in by_file}
     for path in sorted(root.glob("data*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
@@ -153,7 +157,7 @@ def test_committed_samples_are_distinct_and_their_math_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 34_000
+    assert len(ids) == len(set(ids)) > 37_000
     for source, name in by_file.items():
         prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
