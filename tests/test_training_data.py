@@ -139,7 +139,7 @@ def test_decontamination_looks_past_the_shared_math_wrapper():
     assert list(data.decontaminate([other, copied], [heldout])) == [other]
 
 
-def test_committed_samples_are_distinct_and_their_math_prompts_clean():
+def test_committed_samples_are_distinct_and_their_file_prompts_clean():
     """The repo's regenerated samples are trained on together: one id twice would weigh a
     prompt double, and a math or code prompt outside its cleaned prompts file could be
     held-out."""
@@ -157,7 +157,7 @@ def test_committed_samples_are_distinct_and_their_math_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 37_000
+    assert len(ids) == len(set(ids)) > 40_000
     for source, name in by_file.items():
         prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
