@@ -148,3 +148,10 @@ def summaries(max_chars: int = 3000) -> list[str]:
     with data_file(XSUM).open(encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [SUMMARY_INSTRUCTION.format(document=r["document"].strip()[:max_chars]) for r in rows]
+
+
+def write_prompt_file(path: str | Path, rows: list[dict]) -> None:
+    """Rows of `{"text", "source"}` as the gzipped JSONL `generate --prompts-file` reads;
+    mtime=0, so the same rows give the same bytes (committed prompt files stay stable)."""
+    with gzip.GzipFile(path, "wb", mtime=0) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())

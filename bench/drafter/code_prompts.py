@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import gzip
 import importlib.util
-import json
 import random
 import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_sglang.datasets import HUMANEVAL_INSTRUCTION
+from dflash_sglang.datasets import HUMANEVAL_INSTRUCTION, write_prompt_file
 
 # Tests, demos, vendored installers and Python 2 fixtures are not the code HumanEval asks for.
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages"}
@@ -129,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if not roots[0].is_dir():
             p.error(f"--stdlib {root} is not a directory")
     rows = prompts(roots, a.seed, source, a.max_chars)
-    # mtime=0: the same library and arguments give the same bytes.
-    with gzip.GzipFile(a.out, "wb", mtime=0) as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    write_prompt_file(a.out, rows)
     print(
         f"{len(rows)} functions from {root} (Python {sys.version.split()[0]}) -> {a.out}",
         file=sys.stderr,

@@ -14,14 +14,12 @@ reasoning-gym imports a dozen packages we never need, so it runs in its own venv
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
 import reasoning_gym
 
-from dflash_sglang.datasets import MATH_INSTRUCTION
+from dflash_sglang.datasets import MATH_INSTRUCTION, write_prompt_file
 
 # reasoning-gym appends this to every question; the math instruction already asks for it.
 _SUFFIX = " Give the result as your final answer. Do not include units."
@@ -47,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.size < 1:
         p.error(f"--size must be >= 1, got {a.size}")
     rows = prompts(a.size, a.seed)
-    # mtime=0: the same arguments give the same bytes.
-    with gzip.GzipFile(a.out, "wb", mtime=0) as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    write_prompt_file(a.out, rows)
     distinct = len({r["text"] for r in rows})
     print(f"{len(rows)} problems ({distinct} distinct) -> {Path(a.out)}", file=sys.stderr)
     return 0
