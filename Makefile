@@ -78,10 +78,15 @@ $(GSM)/.installed:
 
 # Drafter training prompts from the CPython standard library's documented functions
 # (bench/drafter/code_prompts.py); the committed file was made with Python 3.11.7's.
+# A second list, general-purpose libraries pinned in requirements/cpu.lock, under its own source.
+LIBRARY_CODE = matplotlib,fontTools,IPython,huggingface_hub,pydantic,_pytest,accelerate,prompt_toolkit,hypothesis,rich,werkzeug,PIL,gevent,fsspec,flask,jedi
 code-prompts: setup
 	$(BIN)/python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
 	$(BIN)/python bench/drafter/code_prompts.py --max-chars 1500 --out bench/drafter/prompts_package_code.jsonl.gz \
 	  --packages sympy,scipy,networkx,numpy,mpmath,click,jinja2,sortedcontainers
+	$(BIN)/python bench/drafter/code_prompts.py --max-chars 1500 --out bench/drafter/prompts_library_code.jsonl.gz \
+	  --source library_code --packages $(LIBRARY_CODE) \
+	  --exclude bench/drafter/prompts_stdlib_code.jsonl.gz,bench/drafter/prompts_package_code.jsonl.gz
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup

@@ -91,7 +91,9 @@ def test_packages_are_read_by_import_name_and_long_stubs_left_out(tmp_path):
     assert code_prompts.package_root("no_such_package_here") is None
 
 
-@pytest.mark.parametrize(("name", "least"), [("stdlib", 2000), ("package", 5000)])
+@pytest.mark.parametrize(
+    ("name", "least"), [("stdlib", 2000), ("package", 5000), ("library", 4000)]
+)
 def test_committed_code_prompts_are_clean_and_distinct(name, least):
     path = ROOT / "bench" / "drafter" / f"prompts_{name}_code.jsonl.gz"
     with gzip.open(path, "rt") as f:
@@ -112,4 +114,21 @@ def test_a_missing_library_fails_naming_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         code_prompts.main(["--packages", "jinja2,no_such_package_here", "--out", str(out)])
     assert "--packages no_such_package_here: not an installed package" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        code_prompts.main(["--stdlib", str(tmp_path), "--exclude", "nowhere.gz", "--out", str(out)])
+    assert "--exclude nowhere.gz: no such file" in capsys.readouterr().err
     assert not out.exists()  # nothing written
+
+
+def test_exclude_leaves_out_functions_another_prompt_file_has(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "lib.py").write_text(LIBRARY)
+    first, second = tmp_path / "first.jsonl.gz", tmp_path / "second.jsonl.gz"
+    code_prompts.main(["--stdlib", str(tmp_path / "lib"), "--out", str(first)])
+    (tmp_path / "lib" / "more.py").write_text(LIBRARY.replace("Box", "Crate"))
+    argv = ["--stdlib", str(tmp_path / "lib"), "--source", "more_code", "--out", str(second)]
+    code_prompts.main([*argv, "--exclude", str(first)])
+    with gzip.open(second, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["source"] for r in rows] == ["more_code"]
+    assert "class Crate:" in rows[0]["text"]  # the one function the first file lacks

@@ -12,7 +12,12 @@ the library rather than its first modules.
     python bench/drafter/code_prompts.py --out bench/drafter/prompts_stdlib_code.jsonl.gz
     python bench/drafter/code_prompts.py --packages sympy,scipy,networkx --max-chars 1500 \
         --out bench/drafter/prompts_package_code.jsonl.gz
+    python bench/drafter/code_prompts.py --packages matplotlib,rich --max-chars 1500 \
+        --source library_code --exclude bench/drafter/prompts_stdlib_code.jsonl.gz \
+        --out bench/drafter/prompts_library_code.jsonl.gz
 
+A second package list is written under its own source name, so each regenerated sample
+names the one prompt file it came from (`tests/test_training_data.py` checks that).
 Packages (installed ones, by import name; their lock-pinned versions give the same bytes)
 document with numpy-style sections that can run to pages: `--max-chars` keeps the stubs a
 prompt can hold whole, since `generate` cuts an over-long prompt from its end.
@@ -23,7 +28,9 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import gzip
 import importlib.util
+import json
 import random
 import sys
 import sysconfig
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="library root")
     p.add_argument("--packages", help="comma list of installed packages instead of the stdlib")
     p.add_argument("--max-chars", type=int, help="longest stub kept (default: all)")
+    p.add_argument("--source", help="source name of the rows (default: stdlib_code / package_code)")
+    p.add_argument("--exclude", help="comma list of prompt files whose functions are left out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSONL.gz to write")
     a = p.parse_args(argv)
@@ -126,7 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         roots, source, root = [Path(a.stdlib)], "stdlib_code", a.stdlib
         if not roots[0].is_dir():
             p.error(f"--stdlib {root} is not a directory")
-    rows = prompts(roots, a.seed, source, a.max_chars)
+    excluded = set()
+    for name in a.exclude.split(",") if a.exclude else []:
+        if not Path(name).is_file():
+            p.error(f"--exclude {name}: no such file")
+        with gzip.open(name, "rt", encoding="utf-8") as f:
+            excluded |= {json.loads(line)["text"] for line in f}
+    rows = [
+        r
+        for r in prompts(roots, a.seed, a.source or source, a.max_chars)
+        if r["text"] not in excluded
+    ]
     write_prompt_file(a.out, rows)
     print(
         f"{len(rows)} functions from {root} (Python {sys.version.split()[0]}) -> {a.out}",
