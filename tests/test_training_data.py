@@ -157,7 +157,7 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 40_000
+    assert len(ids) == len(set(ids)) > 44_000
     for source, name in by_file.items():
         prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
