@@ -161,3 +161,53 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
     for source, name in by_file.items():
         prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
+
+
+def test_an_interrupted_regenerate_sends_no_queued_prompt(models, tmp_path):
+    """Ctrl-C (here raised from the progress callback) stops at once: the prompts still
+    queued are never sent, and what finished is on disk for the resume."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(1)
+            time.sleep(0.05)  # a reply takes a while, as a real one does
+            body = json.dumps({"output_ids": [5, 6], "meta_info": {}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def interrupt(samples: int, tokens: int) -> None:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "gen.jsonl"
+    prompts = [_prompt(f"prompt {i}") for i in range(200)]
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            data.regenerate(
+                prompts,
+                out,
+                server_url=f"http://127.0.0.1:{server.server_port}",
+                tokenizer=tok,
+                max_new_tokens=2,
+                max_prompt_tokens=64,
+                batch_size=2,
+                progress=interrupt,
+            )
+    finally:
+        server.shutdown()
+    assert len(seen) <= 4  # the two in flight (and at most two more), not 200
+    assert len(data.done_ids(out)) == 1  # the sample that finished first was written

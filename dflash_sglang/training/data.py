@@ -199,13 +199,19 @@ def regenerate(
         }
 
     added = 0
-    with ThreadPoolExecutor(batch_size) as pool, out.open("a") as f:
-        for future in as_completed([pool.submit(one, p) for p in todo]):
-            sample = future.result()
-            f.write(json.dumps(sample) + "\n")
-            f.flush()
-            added += 1
-            progress(1, len(sample["response_ids"]))
+    pool = ThreadPoolExecutor(batch_size)
+    try:
+        with out.open("a") as f:
+            for future in as_completed([pool.submit(one, p) for p in todo]):
+                sample = future.result()
+                f.write(json.dumps(sample) + "\n")
+                f.flush()
+                added += 1
+                progress(1, len(sample["response_ids"]))
+    finally:
+        # On Ctrl-C, SIGTERM or a failed request, drop the queued prompts: the pool's own
+        # exit would send every one of them before returning (and stopping the server).
+        pool.shutdown(wait=False, cancel_futures=True)
     return added
 
 
