@@ -149,6 +149,7 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
         "gsm_symbolic": "prompts_gsm_symbolic",
         "stdlib_code": "prompts_stdlib_code",
         "package_code": "prompts_package_code",
+        "library_code": "prompts_library_code",
     }
     file_ids: dict[str, set[str]] = {source: set() for source in by_file}
     for path in sorted(root.glob("data*.jsonl.gz")):
