@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -167,10 +170,6 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
 def test_an_interrupted_regenerate_sends_no_queued_prompt(models, tmp_path):
     """Ctrl-C (here raised from the progress callback) stops at once: the prompts still
     queued are never sent, and what finished is on disk for the resume."""
-    import threading
-    import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     seen: list[int] = []
 
     class Handler(BaseHTTPRequestHandler):
