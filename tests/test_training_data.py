@@ -148,11 +148,9 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
     held-out."""
     root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
     ids: list[str] = []
+    # a prompts file's samples carry its name as their source: prompts_<source>.jsonl.gz
     by_file = {
-        "gsm_symbolic": "prompts_gsm_symbolic",
-        "stdlib_code": "prompts_stdlib_code",
-        "package_code": "prompts_package_code",
-        "library_code": "prompts_library_code",
+        p.name.split(".")[0].removeprefix("prompts_"): p for p in root.glob("prompts_*.jsonl.gz")
     }
     file_ids: dict[str, set[str]] = {source: set() for source in by_file}
     for path in sorted(root.glob("data*.jsonl.gz")):
@@ -162,8 +160,9 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
     assert len(ids) == len(set(ids)) > 44_000
-    for source, name in by_file.items():
-        prompts = data.file_prompts(root / f"{name}.jsonl.gz", limit=10**6)
+    assert len(by_file) == 4
+    for source, path in by_file.items():
+        prompts = data.file_prompts(path, limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
 
 
