@@ -101,16 +101,22 @@ class ManagedProcess:
             return False
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                code = self.proc.returncode if self.proc else None
-                raise RuntimeError(f"{self.cmd[2]} exited with {code}:\n{self.log_tail()}")
-            if self.ready():
-                return
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"{self.cmd[2]} not ready in {timeout_s:.0f}s:\n{self.log_tail()}")
+        """A process that never got ready is stopped, also when the wait is interrupted
+        (Ctrl-C, SIGTERM raised as SystemExit): a constructor that raises leaves its caller
+        no handle to stop it with, and it runs in its own session."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise RuntimeError(f"{self.cmd[2]} exited with {code}:\n{self.log_tail()}")
+                if self.ready():
+                    return
+                time.sleep(1)
+            raise TimeoutError(f"{self.cmd[2]} not ready in {timeout_s:.0f}s:\n{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def pause(self) -> None:
         """SIGSTOP the whole tree: off the cores entirely, idle polling included."""

@@ -1,4 +1,5 @@
-"""`ManagedProcess.pause` / `paused`: a benchmark's idle servers stopped, whole tree."""
+"""`ManagedProcess`: a benchmark's idle servers paused as whole trees; a start that is
+interrupted leaves no process behind."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from dflash_sglang.managed_server import ManagedProcess, free_port, paused
 
@@ -50,3 +52,22 @@ def test_paused_stops_each_whole_tree_and_resumes_it(tmp_path: Path) -> None:
         for p in procs:
             p.stop()
     assert not any(p.alive() for p in procs)
+
+
+def test_an_interrupted_start_stops_the_process(tmp_path: Path) -> None:
+    """SIGTERM (as SystemExit) or Ctrl-C while waiting for readiness: the constructor
+    raises before its caller holds the process, so the wait itself must stop it (a
+    `generate` stopped during its server's start left that server running)."""
+    started: list[ManagedProcess] = []
+
+    class Interrupted(ManagedProcess):
+        def start(self) -> None:
+            super().start()
+            started.append(self)
+
+        def ready(self) -> bool:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Interrupted([sys.executable, "-c", TREE], tmp_path / "s.log", free_port())
+    assert started and not started[0].alive()
