@@ -159,7 +159,7 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 56_000
+    assert len(ids) == len(set(ids)) > 62_000
     assert len(by_file) == 4
     for source, path in by_file.items():
         prompts = data.file_prompts(path, limit=10**6)
