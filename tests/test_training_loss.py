@@ -99,3 +99,24 @@ def test_consistent_labels_need_the_targets_labels():
     ids = torch.randint(0, V - 1, (S,), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="labels='target'"):
         _loss(_example(ids, torch.roll(ids, -1), weight), Head(weight, None), False, True)
+
+
+def test_average_is_the_mean_of_the_drafters_and_refuses_other_shapes(tmp_path, capsys):
+    """`training average`: each weight the fp32 mean of the drafters' (saved bf16)."""
+    from dataclasses import replace
+
+    from dflash_sglang.drafter import DFlashDrafter
+    from dflash_sglang.training.__main__ import main
+
+    a, b = (
+        new_drafter(CONFIG, seed=1).save(tmp_path / "a"),
+        new_drafter(CONFIG, seed=2).save(tmp_path / "b"),
+    )
+    assert main(["average", "--drafters", f"{a},{b}", "--out", str(tmp_path / "avg")]) == 0
+    wa, wb = DFlashDrafter.load(a).state_dict(), DFlashDrafter.load(b).state_dict()
+    avg = DFlashDrafter.load(tmp_path / "avg").state_dict()
+    for k, v in avg.items():
+        assert torch.equal(v, ((wa[k] + wb[k]) / 2).bfloat16().float()), k
+    other = new_drafter(replace(CONFIG, num_hidden_layers=2), seed=3).save(tmp_path / "c")
+    assert main(["average", "--drafters", f"{a},{other}", "--out", str(tmp_path / "x")]) == 2
+    assert "same config.json" in capsys.readouterr().err

@@ -447,6 +447,25 @@ def cmd_export(a: argparse.Namespace) -> None:
     print(f"exported step {state['step']} to {drafter.save(a.out)}")
 
 
+def cmd_average(a: argparse.Namespace) -> None:
+    """Weight-for-weight mean of drafters of one shape (in fp32, saved bf16): the cheap try
+    at a plateau, README 8. and 24."""
+    import torch
+
+    from dflash_sglang.drafter import DFlashDrafter
+
+    drafters = [DFlashDrafter.load(_existing_dir("--drafters", d)) for d in a.drafters.split(",")]
+    if len(drafters) < 2 or any(d.config != drafters[0].config for d in drafters):
+        raise CliError("--drafters: two or more drafter dirs with the same config.json")
+    states = [d.state_dict() for d in drafters]
+    mean = {
+        k: torch.stack([s[k] for s in states]).mean(0) if v.is_floating_point() else v
+        for k, v in states[0].items()
+    }
+    drafters[0].load_state_dict(mean)
+    print(f"averaged {len(drafters)} drafters to {drafters[0].save(a.out)}")
+
+
 def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--target", help="target HF model dir (default: embedded SmolLM2)")
     sp.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -636,6 +655,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
+    v = sub.add_parser("average", help="weight-for-weight mean of drafter dirs")
+    v.add_argument("--drafters", required=True, help="comma list of drafter dirs")
+    v.add_argument("--out", required=True)
+    v.set_defaults(func=cmd_average)
 
 
 def parser() -> argparse.ArgumentParser:
