@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts code-prompts
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts code-prompts evals-prompts
 
 setup: $(STAMP)
 
@@ -87,6 +87,13 @@ code-prompts: setup
 	$(BIN)/python bench/drafter/code_prompts.py --max-chars 1500 --out bench/drafter/prompts_library_code.jsonl.gz \
 	  --source library_code --packages $(LIBRARY_CODE) \
 	  --exclude bench/drafter/prompts_stdlib_code.jsonl.gz,bench/drafter/prompts_package_code.jsonl.gz
+
+# The OpenAI Evals registry's chat inputs; the wheel is read as a zip, never installed.
+EVALS_WHEEL := build/evals/evals-3.0.1.post1-py3-none-any.whl
+evals-prompts: setup
+	test -f $(EVALS_WHEEL) || $(BIN)/pip download -q --no-deps evals==3.0.1.post1 -d build/evals
+	$(BIN)/python bench/drafter/evals_prompts.py --wheel $(EVALS_WHEEL) \
+		--out bench/drafter/prompts_openai_evals.jsonl.gz
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup

@@ -1,4 +1,4 @@
-"""`python -m dflash_sglang.training generate | mix | features | train | evaluate | export`.
+"""`python -m dflash_sglang.training <command>`: the drafter recipe, one command per stage.
 
 generate  real prompts -> target responses through an SGLang server (JSONL, resumable)
 mix       a training set from generated files: some whole, some sampled, reproducible
@@ -7,6 +7,7 @@ train     the drafter on cached features (resumable checkpoints, progress bar)
 evaluate  τ and the acceptance histogram on held-out sets with the reference loop
 yardstick what slot 1 can reach: a one-layer next-token head on the same cached features
 export    a training checkpoint -> z-lab drafter directory (bf16)
+average   drafters of one shape -> their weight-for-weight mean (bf16)
 """
 
 from __future__ import annotations
