@@ -159,8 +159,8 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 62_000
-    assert len(by_file) == 4
+    assert len(ids) == len(set(ids)) > 68_000
+    assert len(by_file) == 5
     for source, path in by_file.items():
         prompts = data.file_prompts(path, limit=10**6)
         assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
