@@ -81,7 +81,11 @@ def test_system_and_user_turns_become_prompts_bounded_per_eval(tmp_path):
 
 @pytest.mark.parametrize(
     "args, flag",
-    [(["--per-eval", "0"], "--per-eval"), (["--wheel", "/nonexistent.whl"], "--wheel")],
+    [
+        (["--per-eval", "0"], "--per-eval"),
+        (["--wheel", "/nonexistent.whl"], "--wheel"),
+        (["--wheel", __file__], "--wheel"),  # a file, not a zip
+    ],
 )
 def test_bad_flags_fail_naming_the_flag(tmp_path, capsys, args, flag):
     argv = ["--wheel", str(_wheel(tmp_path)), "--out", str(tmp_path / "o.jsonl.gz"), *args]

@@ -57,9 +57,9 @@ def prompts(
         for name in sorted(z.namelist()):
             if not (name.startswith(_DATA) and name.endswith(".jsonl")):
                 continue
+            eval_name = name[len(_DATA) :].split("/")[0]
             with io.TextIOWrapper(z.open(name), errors="replace") as f:
                 texts = (prompt_text(line) for line in itertools.islice(f, lines_per_file))
-                eval_name = name[len(_DATA) :].split("/")[0]
                 by_eval[eval_name].update(t for t in texts if t and keep(t, min_chars, max_chars))
     rows = []
     for eval_name in sorted(by_eval):
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("per_eval", "lines_per_file", "min_chars", "max_chars"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if not Path(a.wheel).is_file():
-        p.error(f"--wheel: no such file: {a.wheel}")
+    if not zipfile.is_zipfile(a.wheel):
+        p.error(f"--wheel: not a wheel (zip) file: {a.wheel}")
     rows = prompts(a.wheel, a.per_eval, a.lines_per_file, a.min_chars, a.max_chars)
     write_prompt_file(a.out, rows)
     print(f"{len(rows)} prompts from the OpenAI Evals registry -> {Path(a.out)}", file=sys.stderr)
