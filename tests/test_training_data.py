@@ -7,6 +7,7 @@ import gzip
 import json
 import threading
 import time
+from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -148,22 +149,21 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
     held-out."""
     root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
     ids: list[str] = []
-    # a prompts file's samples carry its name as their source: prompts_<source>.jsonl.gz
-    by_file = {
-        p.name.split(".")[0].removeprefix("prompts_"): p for p in root.glob("prompts_*.jsonl.gz")
-    }
-    file_ids: dict[str, set[str]] = {source: set() for source in by_file}
+    ids_by_source: dict[str, set[str]] = defaultdict(set)
     for path in sorted(root.glob("data*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
             for line in f:
                 row = json.loads(line)
                 ids.append(row["id"])
-                file_ids.get(row["source"], set()).add(row["id"])
-    assert len(ids) == len(set(ids)) > 68_000
-    assert len(by_file) == 5
-    for source, path in by_file.items():
+                ids_by_source[row["source"]].add(row["id"])
+    assert len(ids) == len(set(ids)) > 74_000
+    prompt_files = sorted(root.glob("prompts_*.jsonl.gz"))
+    assert len(prompt_files) == 6
+    for path in prompt_files:
+        # a prompts file's samples carry the sources its rows name (its own name by default)
         prompts = data.file_prompts(path, limit=10**6)
-        assert file_ids[source] and file_ids[source] <= {p.id for p in prompts}
+        sampled = set().union(*(ids_by_source[s] for s in {p.source for p in prompts}))
+        assert sampled and sampled <= {p.id for p in prompts}, path.name
 
 
 def test_an_interrupted_regenerate_sends_no_queued_prompt(models, tmp_path):
