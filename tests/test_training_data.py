@@ -134,6 +134,27 @@ def test_mix_from_the_cli_rebuilds_the_same_bytes(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+def test_mix_exclude_leaves_out_rows_earlier_mixes_trained_on(tmp_path, capsys):
+    from dflash_sglang.training.__main__ import main
+
+    new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    new.write_text("".join(json.dumps(r) + "\n" for r in _samples("n", 10)))
+    assert main(["mix", f"{new}:4", "--seed", "1", "--out", str(old)]) == 0
+    seen = {r["id"] for r in data.read_samples(old)}
+    out = tmp_path / "next.jsonl"
+    assert main(["mix", f"{new}:6", "--seed", "2", "--exclude", str(old), "--out", str(out)]) == 0
+    rest = {r["id"] for r in data.read_samples(out)}
+    assert len(rest) == 6 and not rest & seen  # exactly the six rows the first mix left
+    for exclude, message in (
+        (str(old), "7 samples asked of a group of 6"),
+        (f"{old},{tmp_path / 'none.jsonl'}", "--exclude " + str(tmp_path / "none.jsonl")),
+    ):
+        bad = str(tmp_path / "bad.jsonl")
+        assert main(["mix", f"{new}:7", "--seed", "1", "--exclude", exclude, "--out", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad.jsonl").exists()
+
+
 def test_decontamination_looks_past_the_shared_math_wrapper():
     problem = "Seven ducks swim in the pond and then two of them fly away. How many are left?"
     heldout = MATH_INSTRUCTION.format(problem=problem)

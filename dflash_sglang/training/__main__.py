@@ -408,18 +408,22 @@ def cmd_yardstick(a: argparse.Namespace) -> None:
 
 def _mix_group(spec: str) -> tuple[list[dict], int | None]:
     """`PATH[,PATH...][:N]`: those files' samples in that order, all or N drawn."""
-    from dflash_sglang.training import data
-
     paths, _, count = spec.rpartition(":") if ":" in spec else (spec, "", "")
     if count and not (count.isdigit() and int(count) >= 1):
         raise CliError(f"mix {spec}: N after ':' must be a positive integer")
+    return _mix_files(paths), int(count) if count else None
+
+
+def _mix_files(paths: str, flag: str = "mix") -> list[dict]:
+    from dflash_sglang.training import data
+
     samples = []
     for path in paths.split(","):
         try:
-            samples += data.read_samples(_existing_file("mix", path))
+            samples += data.read_samples(_existing_file(flag, path))
         except ValueError as e:  # a line that is not JSON
-            raise CliError(f"mix {path}: {e}") from None
-    return samples, int(count) if count else None
+            raise CliError(f"{flag} {path}: {e}") from None
+    return samples
 
 
 def cmd_mix(a: argparse.Namespace) -> None:
@@ -428,6 +432,9 @@ def cmd_mix(a: argparse.Namespace) -> None:
     if not Path(a.out).parent.is_dir():
         raise CliError(f"--out {a.out}: its directory does not exist")
     groups = [_mix_group(spec) for spec in a.groups]
+    if a.exclude:  # ids earlier runs trained on; a row without an id stays for mix to refuse
+        seen = {row["id"] for row in _mix_files(a.exclude, "--exclude") if "id" in row}
+        groups = [([r for r in samples if r.get("id") not in seen], n) for samples, n in groups]
     try:
         rows = data.mix(groups, a.seed, shuffle=not a.keep_order)
     except ValueError as e:
@@ -536,6 +543,11 @@ def _add_mix(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, required=True, help="one RNG for every draw and the shuffle")
     m.add_argument("--keep-order", action="store_true", help="no final shuffle")
+    m.add_argument(
+        "--exclude",
+        metavar="PATH[,PATH...]",
+        help="sample files (earlier mixes) whose ids are left out of every group before any draw",
+    )
     m.set_defaults(func=cmd_mix)
 
 
