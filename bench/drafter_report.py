@@ -36,13 +36,14 @@ def table(report: dict) -> str:
         "| server histogram (accepted length 1..16) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    spread = " spread" if report.get("spread") else ""
     for name, entry in report.items():
         if not isinstance(entry, dict) or "reference" not in entry:
             continue
         ref, srv, t1 = entry["reference"], entry.get("server", {}), entry.get("server_t1", {})
         first = " / ".join(f"{x:.2f}" for x in srv.get("accept_at", [])[:3])
         rows.append(
-            f"| {name} | {entry['prompts']} | {ref['tau']:.2f} "
+            f"| {name} | {entry['prompts']}{spread} | {ref['tau']:.2f} "
             f"| {ref.get('same_as_plain_greedy', '-')} | {srv.get('tau') or 0:.2f} "
             f"| {srv.get('tokens_per_s', 0):.1f} / {srv.get('baseline_tokens_per_s', 0):.1f} "
             f"| {srv.get('speedup', 0):.2f}x | {srv.get('same_output_as_baseline', '-')} "
@@ -64,10 +65,8 @@ def _temperature_one(report: dict, target, url: str, baseline: str, max_new: int
     for name, entry in report.items():
         if not isinstance(entry, dict) or "reference" not in entry:
             continue
-        prompts = [
-            chat_ids(tokenizer, t, evaluate.MAX_PROMPT_TOKENS)
-            for t in texts[name][: entry["prompts"]]
-        ]
+        picked = evaluate.pick(texts[name], entry["prompts"], report["spread"])
+        prompts = [chat_ids(tokenizer, t, evaluate.MAX_PROMPT_TOKENS) for t in picked]
         bs = report["block_size"]
         entry["server_t1"] = evaluate.through_server(
             url, prompts, max_new, bs, baseline, temperature=1.0
@@ -79,6 +78,7 @@ def main() -> int:
     ap.add_argument("--drafter", help="drafter dir (default: the bundled one)")
     ap.add_argument("--sets", default="mt_bench,humaneval,math")
     ap.add_argument("--limit", type=int, default=20, help="prompts per set")
+    ap.add_argument("--spread", action="store_true", help="--limit prompts spaced over each set")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--server-dtype", default="bfloat16", help="servers' --dtype (as served)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per server")
@@ -123,6 +123,7 @@ def main() -> int:
                 server_url=dflash.url,
                 baseline_url=ar.url,
                 check_greedy=True,
+                spread=args.spread,
             )
             if args.temperature_one:
                 _temperature_one(report, target, dflash.url, ar.url, args.max_new_tokens)

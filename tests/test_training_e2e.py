@@ -138,6 +138,51 @@ def test_generated_data_is_the_targets_greedy_output(run):
         assert plain[0, ids.shape[1] :].tolist() == s["response_ids"]
 
 
+def test_sampled_replies_are_new_samples_of_the_same_prompts(run, tmp_path):
+    """`--temperature` > 0: one more reply per prompt and draw, under its own id, so a mix
+    takes the greedy and sampled replies of one prompt together; a draw resumes by id."""
+    greedy = {s["id"]: s for s in read_samples(run["data"])}
+    args = ["--model-path", run["target"], "--dtype", "float32", "--max-total-tokens", "4096"]
+    server = Server([*args, "--speculative-algorithm", "NONE"], tmp_path / "plain.log")
+    out = tmp_path / "sampled.jsonl"
+    gen = ["generate", "--target", run["target"], "--out", str(out), "--num-prompts", "4"]
+    gen += ["--max-new-tokens", str(NEW), "--max-prompt-tokens", "48", "--batch-size", "4"]
+    gen += ["--server-url", server.url, "--temperature", "1"]
+    try:
+        for draw in ("0", "1", "1"):  # the second draw 1 finds its four replies done
+            assert main([*gen, "--draw", draw]) == 0
+    finally:
+        server.stop()
+    rows = read_samples(out)
+    assert len(rows) == 8
+    by_prompt: dict[str, list[list[int]]] = {}
+    for row in rows:
+        prompt, temperature, draw = row["id"].rsplit("-", 2)
+        assert temperature == "t1" and draw in {"0", "1"}
+        assert row["prompt_ids"] == greedy[prompt]["prompt_ids"]
+        by_prompt.setdefault(prompt, []).append(row["response_ids"])
+    assert len(by_prompt) == 4
+    # A random tiny target samples almost uniformly: two draws of 40 tokens never agree,
+    # and neither is the greedy reply.
+    for prompt, (a, b) in by_prompt.items():
+        assert a != b and greedy[prompt]["response_ids"] not in (a, b)
+    mixed = tmp_path / "mixed.jsonl"
+    assert main(["mix", str(run["data"]), str(out), "--seed", "0", "--out", str(mixed)]) == 0
+    assert len(read_samples(mixed)) == PROMPTS + 8
+
+
+def test_generate_refuses_a_draw_without_sampling(run, tmp_path, capsys):
+    base = ["generate", "--target", run["target"], "--out", str(tmp_path / "g.jsonl")]
+    for extra, message in (
+        (["--draw", "1"], "--draw: only sampled replies"),
+        (["--temperature", "-1"], "--temperature and --draw must be >= 0"),
+        (["--temperature", "1", "--responses", "dataset"], "--temperature: only --responses"),
+    ):
+        assert main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "g.jsonl").exists()
+
+
 def test_training_raises_tau_and_the_server_agrees(run, models, tmp_path):
     out = run["root"] / "full"
     assert _train(run, out) == 0

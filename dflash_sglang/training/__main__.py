@@ -74,6 +74,12 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise CliError(
             "--prompts-file: replaces --prompt-set/--all-turns; needs --responses target"
         )
+    if a.temperature < 0 or a.draw < 0:
+        raise CliError("--temperature and --draw must be >= 0")
+    if a.draw and (a.temperature == 0 or a.responses != "target"):
+        raise CliError("--draw: only sampled replies (--temperature > 0) have more than one")
+    if a.temperature and a.responses != "target":
+        raise CliError("--temperature: only --responses target samples replies")
     if a.prompts_file:
         try:
             prompts = data.file_prompts(
@@ -89,7 +95,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    done = len(data.done_ids(out) & {p.id for p in prompts})
+    done = len(data.done_ids(out) & {data.sample_id(p, a.temperature, a.draw) for p in prompts})
     bar = tqdm(total=len(prompts), initial=done, desc="generate", unit="sample")
     rate = data.Throughput()
 
@@ -106,6 +112,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
             max_new_tokens=a.max_new_tokens,
             max_prompt_tokens=a.max_prompt_tokens,
             batch_size=a.batch_size,
+            temperature=a.temperature,
+            draw=a.draw,
             progress=progress,
         )
 
@@ -314,6 +322,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
             baseline_url=a.baseline_url,
             check_greedy=a.check_greedy,
             prompt_vocab=a.prompt_vocab,
+            spread=a.spread,
         )
     text = json.dumps(report, indent=1)
     if a.out:
@@ -525,6 +534,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="ShareGPT: every human turn, not only the first (after all first turns)",
     )
     g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy replies (ids = prompt ids); > 0: sampled replies, ids ending -tT-DRAW",
+    )
+    g.add_argument(
+        "--draw",
+        type=int,
+        default=0,
+        help="which sampled reply per prompt this run adds (another draw, another sample)",
+    )
+    g.add_argument(
         "--prompts-file",
         help='training prompts from this JSONL(.gz) of {"text", "source"} lines instead of '
         "ShareGPT (held-out sets removed)",
@@ -620,6 +641,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--drafter", required=True)
     e.add_argument("--sets", default=",".join(EVAL_SETS))
     e.add_argument("--limit", type=int, default=20, help="prompts per set")
+    e.add_argument(
+        "--spread", action="store_true", help="--limit prompts spaced evenly over each set"
+    )
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--block-size", type=int)
     e.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])

@@ -133,6 +133,12 @@ def heldout_prompts(name: str, limit: int) -> list[Prompt]:
     return [Prompt(prompt_id(name, t), name, t) for t in heldout_sets()[name][:limit]]
 
 
+def sample_id(prompt: Prompt, temperature: float = 0.0, draw: int = 0) -> str:
+    """The greedy reply keeps the prompt's id; a sampled one names its temperature and draw,
+    so several replies to one prompt are distinct samples (a mix refuses an id twice)."""
+    return prompt.id if temperature == 0 else f"{prompt.id}-t{temperature:g}-{draw}"
+
+
 def done_ids(path: Path) -> set[str]:
     """Ids already written; a torn last line (killed mid-write) is ignored and rewritten."""
     if not path.exists():
@@ -168,30 +174,34 @@ def regenerate(
     max_new_tokens: int,
     max_prompt_tokens: int,
     batch_size: int,
+    temperature: float = 0.0,
+    draw: int = 0,
     progress: Callable[[int, int], None] = lambda samples, tokens: None,
 ) -> int:
-    """Greedy target responses for `prompts` not yet in `out`; returns how many were added.
+    """Target responses for `prompts` not yet in `out`; returns how many were added.
 
+    Greedy by default; at `temperature` > 0 each call with a new `draw` adds one more
+    sampled reply per prompt (not seeded: SGLang seeds only in deterministic mode).
     `batch_size` requests stay in flight, one prompt each, so SGLang's running batch stays
     full (a whole-batch request would idle while its longest response finishes), and each
     sample is appended the moment it is done.
     """
     done = done_ids(out)
-    todo = [p for p in prompts if p.id not in done]
+    todo = [p for p in prompts if sample_id(p, temperature, draw) not in done]
     _repair_tail(out)
 
     def one(p: Prompt) -> dict:
         ids = chat_ids(tokenizer, p.text, max_prompt_tokens)
         body = {
             "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens},
         }
         r = requests.post(server_url + "/generate", json=body, timeout=3600)
         if r.status_code != 200:
             raise RuntimeError(f"{server_url}/generate answered {r.status_code}: {r.text[:500]}")
         result = r.json()
         return {
-            "id": p.id,
+            "id": sample_id(p, temperature, draw),
             "source": p.source,
             "prompt_ids": ids,
             "response_ids": result["output_ids"],

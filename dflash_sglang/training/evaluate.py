@@ -225,6 +225,17 @@ def plain_greedy(target, ids: list[int], max_new_tokens: int, stop_ids) -> list[
     return out[0, len(ids) :].tolist()
 
 
+def pick(texts: list[str], limit: int, spread: bool = False) -> list[str]:
+    """The first `limit` prompts, or with `spread` `limit` spaced evenly over the set.
+
+    MT-Bench lists its 8 categories 10 questions at a time, so its first 10 are all
+    writing; spread (indices ⌊i·n/limit⌋), 8 take one of each category and 10 reach all 8.
+    """
+    if not spread or limit >= len(texts):
+        return texts[:limit]
+    return [texts[i * len(texts) // limit] for i in range(limit)]
+
+
 def run(
     target_dir: Path,
     drafter_dir: Path,
@@ -238,6 +249,7 @@ def run(
     baseline_url: str | None = None,
     check_greedy: bool = False,
     prompt_vocab: int = DEFAULT_PROMPT_VOCAB,
+    spread: bool = False,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -250,8 +262,10 @@ def run(
     stop = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     available = heldout_sets()
     report: dict = {"drafter": str(drafter_dir), "block_size": bs, "max_new_tokens": max_new_tokens}
+    report["spread"] = spread
     for name in sets:
-        prompts = [chat_ids(tokenizer, t, MAX_PROMPT_TOKENS) for t in available[name][:limit]]
+        texts = pick(available[name], limit, spread)
+        prompts = [chat_ids(tokenizer, t, MAX_PROMPT_TOKENS) for t in texts]
         lengths: list[int] = []
         tokens, seconds, same = 0, 0.0, 0
         for ids in prompts:
