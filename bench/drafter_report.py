@@ -42,12 +42,13 @@ def table(report: dict) -> str:
             continue
         ref, srv, t1 = entry["reference"], entry.get("server", {}), entry.get("server_t1", {})
         first = " / ".join(f"{x:.2f}" for x in srv.get("accept_at", [])[:3])
+        sampled = f"{t1['tau']:.2f} | {t1['speedup']:.2f}x" if t1 else "- | -"
         rows.append(
             f"| {name} | {entry['prompts']}{spread} | {ref['tau']:.2f} "
             f"| {ref.get('same_as_plain_greedy', '-')} | {srv.get('tau') or 0:.2f} "
             f"| {srv.get('tokens_per_s', 0):.1f} / {srv.get('baseline_tokens_per_s', 0):.1f} "
             f"| {srv.get('speedup', 0):.2f}x | {srv.get('same_output_as_baseline', '-')} "
-            f"| {first} | {t1.get('tau') or 0:.2f} | {t1.get('speedup', 0):.2f}x "
+            f"| {first} | {sampled} "
             f"| {' '.join(map(str, srv.get('histogram', [])))} |"
         )
     return "\n".join(rows)
