@@ -303,6 +303,8 @@ def test_bad_arguments_fail_with_the_flag(run, straight, tmp_path, capsys):
     assert "--drafter" in capsys.readouterr().err
     assert main([*args, "--baseline-url", "http://127.0.0.1:1"]) == 2
     assert "--baseline-url" in capsys.readouterr().err
+    assert main([*args, "--spread", "--features-dir", str(run["features"])]) == 2
+    assert "--spread" in capsys.readouterr().err
     assert main([*args[:-2], "--drafter", str(straight / "drafter"),
                  "--features-dir", str(tmp_path / "nope")]) == 2  # fmt: skip
     assert "--features-dir" in capsys.readouterr().err

@@ -297,6 +297,8 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         raise CliError(f"--sets: unknown {sorted(unknown)}; choose from {','.join(EVAL_SETS)}")
     if a.baseline_url and not a.server_url:
         raise CliError("--baseline-url needs --server-url (the DFLASH_X server to compare)")
+    if a.spread and a.features_dir:
+        raise CliError("--spread picks prompts to decode; --features-dir reads its set whole")
     target_dir = _target_path(a.target)
     drafter_dir = _existing_dir("--drafter", a.drafter)
     from dflash_sglang.checkpoint import CheckpointError, check_pair
