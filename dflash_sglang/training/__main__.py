@@ -76,10 +76,10 @@ def cmd_generate(a: argparse.Namespace) -> None:
         )
     if a.temperature < 0 or a.draw < 0:
         raise CliError("--temperature and --draw must be >= 0")
-    if a.draw and (a.temperature == 0 or a.responses != "target"):
-        raise CliError("--draw: only sampled replies (--temperature > 0) have more than one")
     if a.temperature and a.responses != "target":
         raise CliError("--temperature: only --responses target samples replies")
+    if a.draw and a.temperature == 0:
+        raise CliError("--draw: only sampled replies (--temperature > 0) have more than one")
     if a.prompts_file:
         try:
             prompts = data.file_prompts(
