@@ -177,7 +177,7 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
                 row = json.loads(line)
                 ids.append(row["id"])
                 ids_by_source[row["source"]].add(row["id"])
-    assert len(ids) == len(set(ids)) > 90_000
+    assert len(ids) == len(set(ids)) > 92_000
     prompt_files = sorted(root.glob("prompts_*.jsonl.gz"))
     assert len(prompt_files) == 6
     for path in prompt_files:
