@@ -231,3 +231,24 @@ def test_an_interrupted_regenerate_sends_no_queued_prompt(models, tmp_path):
         server.shutdown()
     assert len(seen) <= 4  # the two in flight (and at most two more), not 200
     assert len(data.done_ids(out)) == 1  # the sample that finished first was written
+
+
+def test_committed_heldout_files_are_each_sets_first_prompts():
+    """Drafters are compared on these files (README 47.): the 80-prompt file must extend the
+    20-prompt one, prompt for prompt, and hold each held-out set's first prompts only."""
+    root = Path(__file__).resolve().parents[1] / "bench" / "drafter"
+
+    def ids_by_set(name: str) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = defaultdict(list)
+        with gzip.open(root / name, "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                out[row["source"]].append(row["id"])
+        return out
+
+    small, large = ids_by_set("heldout_greedy.jsonl.gz"), ids_by_set("heldout_greedy_80.jsonl.gz")
+    assert set(large) == set(small) == {"mt_bench", "humaneval", "math"}
+    for name, ids in large.items():  # rows in the order replies finished
+        assert sorted(ids) == sorted(p.id for p in data.heldout_prompts(name, 80)), name
+        assert sorted(small[name]) == sorted(p.id for p in data.heldout_prompts(name, 20)), name
+        assert small[name] == ids[:20], name  # grown from the 20-prompt file
