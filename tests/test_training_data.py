@@ -172,11 +172,9 @@ def test_committed_samples_are_distinct_and_their_file_prompts_clean():
     ids: list[str] = []
     ids_by_source: dict[str, set[str]] = defaultdict(set)
     for path in sorted(root.glob("data*.jsonl.gz")):
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                row = json.loads(line)
-                ids.append(row["id"])
-                ids_by_source[row["source"]].add(row["id"])
+        for row in data.read_samples(path):
+            ids.append(row["id"])
+            ids_by_source[row["source"]].add(row["id"])
     assert len(ids) == len(set(ids)) > 92_000
     prompt_files = sorted(root.glob("prompts_*.jsonl.gz"))
     assert len(prompt_files) == 6
@@ -240,10 +238,8 @@ def test_committed_heldout_files_are_each_sets_first_prompts():
 
     def ids_by_set(name: str) -> dict[str, list[str]]:
         out: dict[str, list[str]] = defaultdict(list)
-        with gzip.open(root / name, "rt") as f:
-            for line in f:
-                row = json.loads(line)
-                out[row["source"]].append(row["id"])
+        for row in data.read_samples(root / name):
+            out[row["source"]].append(row["id"])
         return out
 
     small, large = ids_by_set("heldout_greedy.jsonl.gz"), ids_by_set("heldout_greedy_80.jsonl.gz")
