@@ -133,25 +133,28 @@ def acceptance_at(drafter: DFlashDrafter, embed, head, example, anchors) -> list
     return (accepted_prefix_len(match) + 1).tolist()
 
 
+def acceptance_everywhere(
+    drafter: DFlashDrafter, embed, head, example, chunk: int = 64
+) -> list[int]:
+    """`acceptance_at` every response position but the last (which has nothing after it to
+    predict), in order, from batched drafter passes of `chunk` blocks: entry i is the step
+    whose anchor is response token i."""
+    import torch
+
+    positions = torch.arange(example.prompt_len, len(example.input_ids) - 1)
+    lengths: list[int] = []
+    for i in range(0, len(positions), chunk):
+        lengths += acceptance_at(drafter, embed, head, example, positions[i : i + chunk])
+    return lengths
+
+
 def decode_walk(drafter: DFlashDrafter, embed, head, example, chunk: int = 64) -> list[int]:
     """The acceptance lengths a greedy decode of `example`'s response would have, step by
     step, from its cached features alone: the first block starts on the first response
-    token and each next one where the previous step's accepted drafts and bonus end.
-
-    Acceptance at every response position comes from batched drafter passes (`chunk`
-    blocks each), so no target runs; on the target's own greedy data this is the reference
-    loop's sequence of acceptance lengths, up to where the data stops.
-    """
-    import torch
-
-    end = len(example.input_ids) - 1  # the last token has nothing after it to predict
-    positions = torch.arange(example.prompt_len, end)
-    at = {}
-    for i in range(0, len(positions), chunk):
-        anchors = positions[i : i + chunk]
-        lengths = acceptance_at(drafter, embed, head, example, anchors)
-        at.update(zip(anchors.tolist(), lengths, strict=True))
-    return greedy_walk([at[p] for p in range(example.prompt_len, end)])
+    token and each next one where the previous step's accepted drafts and bonus end. No
+    target runs; on the target's own greedy data this is the reference loop's sequence of
+    acceptance lengths, up to where the data stops."""
+    return greedy_walk(acceptance_everywhere(drafter, embed, head, example, chunk))
 
 
 def greedy_walk(lengths: list[int]) -> list[int]:
@@ -178,6 +181,21 @@ def at_block_size(drafter: DFlashDrafter, block_size: int) -> DFlashDrafter:
     return resized
 
 
+def prompt_head(drafter: DFlashDrafter, lm_head_weight, example, prompt_vocab: int):
+    """The `train.Head` a server step drafts from for `example`: the drafter's restricted
+    vocabulary plus up to `prompt_vocab` of the prompt's own tokens (`draft_vocab`)."""
+    import torch
+
+    from dflash_sglang.draft_vocab import prompt_extra
+    from dflash_sglang.training.train import Head
+
+    weight, ids = lm_head_weight.detach().float(), drafter.draft_vocab_ids
+    if ids is None or not prompt_vocab:
+        return Head(weight, ids)
+    extra = prompt_extra(example.input_ids[: example.prompt_len].tolist(), ids, prompt_vocab)
+    return Head(weight, torch.cat([ids, extra]))
+
+
 def teacher_forced(
     drafter: DFlashDrafter,
     embed,
@@ -191,22 +209,14 @@ def teacher_forced(
     comparing training runs on held-out prompts. `prompt_vocab` as the reference loop's
     (a restricted vocabulary plus each prompt's own tokens); `block_size` as
     `at_block_size`."""
-    import torch
-
     if block_size is not None:
         drafter = at_block_size(drafter, block_size)
 
-    from dflash_sglang.draft_vocab import prompt_extra
-    from dflash_sglang.training.train import Head
-
-    weight, ids = lm_head_weight.detach().float(), drafter.draft_vocab_ids
-    head = Head(weight, ids)
     lengths: list[int] = []
     for ex in examples:
-        if ids is not None and prompt_vocab:
-            extra = prompt_extra(ex.input_ids[: ex.prompt_len].tolist(), ids, prompt_vocab)
-            head = Head(weight, torch.cat([ids, extra]))
-        lengths += decode_walk(drafter, embed, head, ex)
+        lengths += decode_walk(
+            drafter, embed, prompt_head(drafter, lm_head_weight, ex, prompt_vocab), ex
+        )
     summary = summarize(lengths, sum(lengths), 0.0, drafter.config.block_size)
     return {k: summary[k] for k in ("tau", "steps", "histogram", "accept_at")}
 
