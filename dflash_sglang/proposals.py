@@ -241,15 +241,10 @@ class Planner:
         }
         chosen, explored = self._choose(scores, seconds)
         displaced = (0.0, 0.0)
-        picks = picks_of[chosen]
         if explored:
             tokens = sum(1.0 + e for e, _, _ in picks_of[self._current])
             displaced = (tokens, seconds(self._current))
-            if chosen.run_draft and not chosen.tree_dflash:
-                # Exploring a drafting option measures the drafter: every request verifies
-                # the block. Left to pick by the estimates under test, a request with a
-                # suffix proposal took it, the drafter was skipped and nothing was measured.
-                picks = [(gains.gain_dflash[chosen.width - 1], None, False)] * bs
+        picks = picks_of[chosen]
         taken = tuple(p for _, p, _ in picks)
         trees = tuple(tree for _, _, tree in picks) if chosen.tree_dflash else ()
         any_tree = any(trees)

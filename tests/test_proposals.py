@@ -114,36 +114,6 @@ def test_an_explored_step_that_beats_its_prediction_is_explored_again():
     assert planner.plan(proposals).width == 1
 
 
-def test_exploring_a_drafting_option_measures_the_drafter_beside_suffix_proposals():
-    """Every request brings a suffix proposal (accepting 30% per slot) and the drafter,
-    written off after missing, hits 85% again: an explored drafting step verifies the block
-    for every request, so the drafter is measured and taken back. (Left to the estimates,
-    each request took its suffix proposal on the explored step, the drafter was skipped,
-    and the planner stayed on suffix proposals for good.)"""
-    rng = random.Random(0)
-    planner = Planner(BLOCK, WIDTHS, CostModel(DEFAULT_CPU_PRIOR))
-    for _ in range(100):
-        planner.dflash.observe(0, BLOCK - 1)
-    plans = []
-    for _ in range(600):
-        plan = planner.plan([_proposal(BLOCK - 1)] * BS)
-        rate = {DFLASH: 0.85, SUFFIX: 0.3}
-        accepted = []
-        for r in range(BS):
-            n = 0
-            while n < plan.offered(r) and rng.random() < rate.get(plan.source(r), 0.0):
-                n += 1
-            accepted.append(n)
-        planner.observe(plan, accepted)
-        plans.append(plan)
-        drafted = _draft_seconds(BS, plan.run_draft)
-        planner.observe_seconds(plan, BS, _seconds(BS, plan.width, plan.run_draft), drafted)
-    explored = [p for p in plans if p.explored and p.run_draft]
-    assert explored and all(p.source(r) == DFLASH for p in explored for r in range(BS))
-    late = [p for p in plans[-100:] if not p.explored]
-    assert sum(p.run_draft and p.source(0) == DFLASH for p in late) > 0.9 * len(late)
-
-
 # --- hysteresis ------------------------------------------------------------------------------
 
 
