@@ -1,15 +1,16 @@
 """The planner at one request, replayed on the target's own greedy replies to held-out prompts:
 no server, no timing noise, hundreds of replies in seconds.
 
-    python bench/planner_replay.py tables --out run/replay_tables.json.gz      # ~10 min
-    python bench/planner_replay.py run --tables run/replay_tables.json.gz \
+    python bench/planner_replay.py tables --out bench/proposers/replay_tables_v47.json.gz  # ~10 min
+    python bench/planner_replay.py run --tables bench/proposers/replay_tables_v47.json.gz \
         [--base REV] [--seeds 3] [--out bench/proposers/planner_replay.json]
 
 `tables` runs the target (fp32) over every reply of `--data` (default: the committed 80
 prompts per set, `bench/drafter/heldout_greedy_80.jsonl.gz`) and the drafter at every
 response position: the DFlash block's acceptance length anchored at each token, as a server
 step there would verify it (teacher-forced, the prompt's tokens added to the draft
-vocabulary as `--dflash-prompt-vocab` does).
+vocabulary as `--dflash-prompt-vocab` does). The bundled drafter v47's tables are committed
+(`bench/proposers/replay_tables_v47.json.gz`, 70 KB): a new drafter needs its own.
 
 `run` decodes every reply again as DFLASH_X's default launch would at one request: per step
 the request's own-text and shared suffix proposals (the shared index warm from the bundled
@@ -20,7 +21,8 @@ corpus, each finished reply joining it; sets in the order given, one planner thr
 v47_c1_4_16_256tok.json`) with Gaussian noise of `NOISE_MS`, seeded. With `--base REV` the
 planner of git revision REV (`dflash_sglang/proposals.py` there) replays too, beside this
 tree's: a before/after of a planner change without a server A/B, whose nine replies per set
-swing with the path the planner takes (README).
+swing with the path the planner takes (README). `--variants` replays planner variants kept
+here, not served (`VARIANTS`), beside it.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from dflash_sglang import suffix_corpus
 from dflash_sglang.adaptive import DEFAULT_CPU_PRIOR, CostModel
 from dflash_sglang.metrics import tau
 from dflash_sglang.options import SpecOptions
-from dflash_sglang.proposals import DFLASH, SHARED, SUFFIX, Planner
-from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, accepted_len
+from dflash_sglang.proposals import Planner, StepPlan, candidates
+from dflash_sglang.suffix import SharedSuffixIndex, SuffixIndex, SuffixProposal, accepted_len
 
 HELDOUT = Path("bench/drafter/heldout_greedy_80.jsonl.gz")
 SETS = ("mt_bench", "humaneval", "math")
@@ -135,17 +137,22 @@ def decode(planner, options: SpecOptions, shared, row: dict, tally: Tally, rng) 
     index = SuffixIndex(options.suffix_max_match, options.max_proposal(BLOCK))
     index.extend(row["prompt_ids"] + out[:1])
     done = 1
+
+    def accept(proposal: SuffixProposal | None, offered: int) -> int:
+        """Drafts a step from here accepts of `proposal` (None: the DFlash block)."""
+        if proposal is None:
+            n = dflash[done - 1] - 1
+        else:
+            n = accepted_len(proposal.tokens[:offered], out[done : done + offered])
+        return min(n, offered, len(out) - done - 1)
+
+    if isinstance(planner, Hindsight):
+        planner.accept = accept
     while done < len(out):
         found = [index.propose(), shared.propose(index.tail(index.max_match))]
         plan = planner.plan([tuple(p for p in found if p is not None)])
-        source, offered = plan.source(0), plan.offered(0)
-        if source == DFLASH:
-            accepted = min(dflash[done - 1] - 1, offered)
-        elif source in (SUFFIX, SHARED):
-            accepted = accepted_len(plan.suffix[0].tokens[:offered], out[done : done + offered])
-        else:
-            accepted = 0
-        accepted = min(accepted, len(out) - done - 1)
+        source = plan.source(0)
+        accepted = accept(plan.suffix[0], plan.offered(0)) if source else 0
         planner.observe(plan, [accepted])
         ms, draft_ms = step_ms(plan.width, plan.run_draft)
         ms += rng.gauss(0.0, NOISE_MS)
@@ -154,6 +161,36 @@ def decode(planner, options: SpecOptions, shared, row: dict, tally: Tally, rng) 
         index.extend(out[done : done + accepted + 1])
         done += accepted + 1
     shared.add(row["prompt_ids"], out)
+
+
+class Hindsight:
+    """Each step the width, drafter on/off and source that emit the most tokens per ms,
+    knowing what each would accept (`decode` sets `accept`): a bound no planner reaches,
+    for scale."""
+
+    def __init__(self, block_size: int, widths, cost, **_) -> None:
+        self.widths = tuple(widths)
+        self.accept = None
+
+    def plan(self, proposals) -> StepPlan:
+        best: tuple[float, StepPlan] | None = None
+        for width in self.widths:
+            for run_draft in (False, True) if width > 1 else (False,):
+                options = [*proposals[0], None] if run_draft else list(proposals[0])
+                scored = [(self.accept(p, width - 1), p) for p in options]
+                n, p = max(scored, key=lambda s: s[0], default=(0, None))
+                score = (n + 1) / step_ms(width, run_draft and p is None)[0]
+                if best is None or score > best[0]:
+                    drafts = run_draft and p is None
+                    plan = StepPlan(width, drafts, (p,), 0.0, expected=(float(n),))
+                    best = (score, plan)
+        return best[1]
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_seconds(self, *args, **kwargs) -> None:
+        pass
 
 
 def replay(planner_class, rows: list[dict], sets: list[str], seed: int) -> dict[str, dict]:
@@ -179,6 +216,62 @@ def replay(planner_class, rows: list[dict], sets: list[str], seed: int) -> dict[
             decode(planner, options, shared, row, tally, rng)
         result[name] = tally.summary()
     return result
+
+
+class _Split(Planner):
+    """This tree's planner with some statistics kept per context of the (one) request: a
+    variant replayed to see whether it would pay, not served."""
+
+    split: tuple[str, ...] = ()  # which of "dflash", "suffix", "shared" are kept per context
+
+    def key(self, cands: tuple[SuffixProposal, ...], last: int) -> int:
+        raise NotImplementedError
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pooled = {name: getattr(self, name) for name in ("dflash", "suffix", "shared")}
+        self._banks: dict[int, dict] = {}
+        self._last = self._key = 0  # accepted on the request's last step; this step's key
+
+    def _use(self, key: int) -> None:
+        if key not in self._banks:
+            fresh = Planner(self.block_size, self.widths, self.cost, max_match=len(self.suffix))
+            self._banks[key] = {name: getattr(fresh, name) for name in self.split}
+        for name, stats in (self._pooled | self._banks[key]).items():
+            setattr(self, name, stats)
+
+    def plan(self, proposals):
+        self._key = self.key(candidates(proposals[0]), self._last)
+        self._use(self._key)
+        return super().plan(proposals)
+
+    def observe(self, plan, accepted, branches=None) -> None:
+        self._use(self._key)
+        super().observe(plan, accepted, branches)
+        self._last = accepted[0] if plan.source(0) else 0
+
+
+class DFlashByMatch(_Split):
+    """The DFlash block's acceptance per longest suffix match the request has (0: none):
+    where a lookup matches long the text is predictable and the block accepts more too."""
+
+    split = ("dflash",)
+
+    def key(self, cands, last):
+        return max((p.match_len for p in cands), default=0)
+
+
+class ByLastStep(_Split):
+    """Every source's acceptance per the request's last step (0, 1, 2, 3+ accepted):
+    acceptance comes in bursts."""
+
+    split = ("dflash", "suffix", "shared")
+
+    def key(self, cands, last):
+        return min(last, 3)
+
+
+VARIANTS = {"dflash_by_match": DFlashByMatch, "by_last_step": ByLastStep, "hindsight": Hindsight}
 
 
 def base_planner(rev: str):
@@ -227,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--tables", type=Path, required=True)
     r.add_argument("--sets", default=",".join(SETS))
     r.add_argument("--base", help="git revision whose planner replays beside this tree's")
+    r.add_argument("--variants", default="", help=f"planner variants too: {','.join(VARIANTS)}")
     r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -251,7 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     missing = set(sets) - {row["source"] for row in rows}
     if missing:
         ap.error(f"--sets: {sorted(missing)} not in {a.tables}")
+    variants = [v for v in a.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
     arms = {"this tree": Planner} | ({f"base {a.base}": base_planner(a.base)} if a.base else {})
+    arms |= {v: VARIANTS[v] for v in variants}
     report = {"args": {k: str(v) for k, v in vars(a).items()}, "cost_ms": COST_MS, "arms": {}}
     for arm, planner_class in arms.items():
         runs = [replay(planner_class, rows, sets, seed) for seed in range(a.seeds)]

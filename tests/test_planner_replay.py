@@ -54,6 +54,7 @@ def test_bad_seeds_sets_and_base_name_the_flag(tmp_path):
         (["--seeds", "0"], "--seeds must be >= 1"),
         (["--sets", "math,humaneval"], "--sets: ['humaneval'] not in"),
         (["--base", "no-such-revision"], "--base no-such-revision"),
+        (["--variants", "nope"], "--variants: unknown ['nope']"),
     ]:
         done = _run("run", "--tables", tables, "--sets", "mt_bench,math", *args)
         assert done.returncode != 0 and message in done.stderr, done.stderr
@@ -75,3 +76,38 @@ def test_a_replay_decodes_every_token_and_follows_its_tables(tmp_path, hit, fast
             assert row["x_plain"]["mean"] > 3.0 and dflash["tau"] > 8.0
         else:  # nothing hits and nothing repeats: about plain decoding, never much below
             assert 0.9 < row["x_plain"]["range"][0] <= row["x_plain"]["mean"] < 1.0
+
+
+def test_committed_tables_replay_the_committed_heldout_replies():
+    """The v47 tables are the 80-prompt held-out sets' replies, in order, with one DFlash
+    acceptance length per response token but the last (each in 1..16)."""
+    root = SCRIPT.parents[1]
+    from dflash_sglang.training.data import read_samples
+
+    heldout = [
+        s
+        for s in read_samples(root / "bench" / "drafter" / "heldout_greedy_80.jsonl.gz")
+        if s["response_ids"]
+    ]
+    with gzip.open(root / "bench" / "proposers" / "replay_tables_v47.json.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == len(heldout) == 240
+    for row, sample in zip(rows, heldout, strict=True):
+        assert (row["source"], row["prompt_ids"]) == (sample["source"], sample["prompt_ids"])
+        assert row["response_ids"] == sample["response_ids"][: len(row["response_ids"])]
+        assert len(row["dflash"]) == len(row["response_ids"]) - 1
+        assert all(1 <= n <= 16 for n in row["dflash"])
+
+
+def test_hindsight_bounds_the_planner(tmp_path):
+    """Knowing each step's outcome, the hindsight arm is never slower than the planner."""
+    tables = str(_tables(tmp_path / "t.json.gz", 3))
+    out = tmp_path / "replay.json"
+    args = ["run", "--tables", tables, "--sets", "mt_bench,math", "--seeds", "2"]
+    done = _run(*args, "--variants", "hindsight", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    arms = json.loads(out.read_text())["arms"]
+    for name in ("mt_bench", "math"):
+        planner, bound = arms["this tree"][name], arms["hindsight"][name]
+        assert bound["x_plain"]["mean"] > planner["x_plain"]["mean"] > 1.0
+        assert bound["sources_seed0"]["dflash"]["tau"] > 3.9  # 3 drafts + bonus; fewer at the end
