@@ -60,10 +60,8 @@ def _existing_dir(flag: str, value: str) -> Path:
     return path
 
 
-def cmd_generate(a: argparse.Namespace) -> None:
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
+def _generate_prompts(a: argparse.Namespace) -> list:
+    """The prompts `generate` answers, once the flags that pick them are checked."""
     from dflash_sglang.training import data
 
     if a.all_turns and a.prompt_set != "sharegpt":
@@ -82,15 +80,41 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise CliError("--draw: only sampled replies (--temperature > 0) have more than one")
     if a.prompts_file:
         try:
-            prompts = data.file_prompts(
+            return data.file_prompts(
                 _existing_file("--prompts-file", a.prompts_file), a.num_prompts
             )
         except (ValueError, OSError) as e:
             raise CliError(f"--prompts-file: {e}") from e
-    elif a.prompt_set == "sharegpt":
-        prompts = data.training_prompts(a.num_prompts, a.all_turns)
-    else:
-        prompts = data.heldout_prompts(a.prompt_set, a.num_prompts)
+    if a.prompt_set == "sharegpt":
+        return data.training_prompts(a.num_prompts, a.all_turns)
+    return data.heldout_prompts(a.prompt_set, a.num_prompts)
+
+
+def _with_plain_server(a: argparse.Namespace, target: Path, log: Path, run) -> None:
+    """`run(url)` against a plain-decoding server of `target` started for it and stopped
+    afterwards, also on SIGTERM (it runs in its own session)."""
+    import signal
+
+    from dflash_sglang.managed_server import Server
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    args = ["--model-path", str(target), "--speculative-algorithm", "NONE"]
+    args += ["--max-total-tokens", str(a.max_total_tokens), "--disable-radix-cache"]
+    args += ["--dtype", a.dtype] if a.dtype else []
+    server = Server(args, log, threads=a.threads)
+    try:
+        run(server.url)
+    finally:
+        server.stop()
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from dflash_sglang.training import data
+
+    prompts = _generate_prompts(a)
     target = _target_path(a.target)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,20 +153,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
     elif a.server_url:
         run(a.server_url.rstrip("/"))
     else:
-        import signal
-
-        from dflash_sglang.managed_server import Server
-
-        # A SIGTERM must still stop the server we started (it runs in its own session).
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-        args = ["--model-path", str(target), "--speculative-algorithm", "NONE"]
-        args += ["--max-total-tokens", str(a.max_total_tokens), "--disable-radix-cache"]
-        args += ["--dtype", a.dtype] if a.dtype else []
-        server = Server(args, out.with_suffix(".server.log"), threads=a.threads)
-        try:
-            run(server.url)
-        finally:
-            server.stop()
+        _with_plain_server(a, target, out.with_suffix(".server.log"), run)
     bar.close()
     print(f"{len(data.done_ids(out))} samples in {out}")
 
