@@ -65,6 +65,7 @@ def tables(data: Path, sets: list[str], drafter_dir: Path, prompt_vocab: int) ->
     """Per reply: its set, prompt and response ids, and `dflash[i]`, the acceptance length
     (bonus included) of the step anchored at response token i."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from dflash_sglang.default_model import ensure_default_target
     from dflash_sglang.drafter import DFlashDrafter
@@ -75,8 +76,6 @@ def tables(data: Path, sets: list[str], drafter_dir: Path, prompt_vocab: int) ->
     torch.set_num_threads(2)
     drafter = DFlashDrafter.load(drafter_dir).eval()
     target_dir = ensure_default_target(log=lambda m: print(m, file=sys.stderr))
-    from transformers import AutoModelForCausalLM
-
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     samples = [s for s in read_samples(data) if s["source"] in sets and s["response_ids"]]
     layers = list(drafter.config.target_layer_ids)
