@@ -28,6 +28,7 @@ here, not served (`VARIANTS`), beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import importlib.util
 import json
@@ -192,6 +193,12 @@ class Hindsight:
         pass
 
 
+@functools.cache
+def _warm_documents() -> list[tuple[list[int], list[int]]]:
+    """The bundled corpus the default launch warms its shared index from, read once."""
+    return suffix_corpus.documents(suffix_corpus.read(suffix_corpus.bundled()))
+
+
 def replay(planner_class, rows: list[dict], sets: list[str], seed: int) -> dict[str, dict]:
     """Every set's replies through one planner and one warm shared index, as a server."""
     options = SpecOptions()
@@ -206,7 +213,7 @@ def replay(planner_class, rows: list[dict], sets: list[str], seed: int) -> dict[
     shared = SharedSuffixIndex(
         options.shared_tokens, options.suffix_max_match, options.max_proposal(BLOCK)
     )
-    shared.warm(suffix_corpus.documents(suffix_corpus.read(suffix_corpus.bundled())))
+    shared.warm(_warm_documents())
     rng = random.Random(seed)
     result = {}
     for name in sets:

@@ -212,11 +212,10 @@ def teacher_forced(
     if block_size is not None:
         drafter = at_block_size(drafter, block_size)
 
+    weight = lm_head_weight.detach().float()  # once: `prompt_head` keeps a float32 as is
     lengths: list[int] = []
     for ex in examples:
-        lengths += decode_walk(
-            drafter, embed, prompt_head(drafter, lm_head_weight, ex, prompt_vocab), ex
-        )
+        lengths += decode_walk(drafter, embed, prompt_head(drafter, weight, ex, prompt_vocab), ex)
     summary = summarize(lengths, sum(lengths), 0.0, drafter.config.block_size)
     return {k: summary[k] for k in ("tau", "steps", "histogram", "accept_at")}
 
