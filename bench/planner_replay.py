@@ -337,6 +337,10 @@ def main(argv: list[str] | None = None) -> None:
 
         if not a.data.is_file():
             ap.error(f"--data {a.data}: no such file")
+        if a.drafter is not None and not (a.drafter / "config.json").is_file():
+            ap.error(f"--drafter {a.drafter}: no drafter there (no config.json)")
+        if a.prompt_vocab is not None and a.prompt_vocab < 0:
+            ap.error(f"--prompt-vocab must be >= 0, got {a.prompt_vocab}")
         vocab = DEFAULT_PROMPT_VOCAB if a.prompt_vocab is None else a.prompt_vocab
         rows = tables(a.data, sets, a.drafter or Path(default_draft_dir()), vocab)
         with gzip.open(a.out, "wt") as f:

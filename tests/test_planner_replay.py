@@ -40,6 +40,8 @@ def _tables(path: Path, hit: int) -> Path:
     [
         (["run", "--tables", "nope.json.gz"], "--tables nope.json.gz: no such file"),
         (["tables", "--data", "nope.jsonl", "--out", "x"], "--data nope.jsonl: no such file"),
+        (["tables", "--drafter", "nope", "--out", "x"], "--drafter nope: no drafter there"),
+        (["tables", "--prompt-vocab", "-1", "--out", "x"], "--prompt-vocab must be >= 0"),
     ],
 )
 def test_bad_arguments_name_the_flag(args, message):
